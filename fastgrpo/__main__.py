@@ -1,0 +1,3 @@
+from fastgrpo.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The `fastgrpo` command: parses arguments, then calls the library. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+DESCRIPTION = """\
+Train language models with GRPO-family reinforcement learning.
+
+commands:
+  train    run GRPO training (no CONFIG: the CPU quick start, SmolLM2-135M on arithmetic)
+  eval     accuracy and mean reward of a model or checkpoint on a task split
+  config   print the resolved configuration, or every valid key (--keys)
+
+examples:
+  fastgrpo train
+  fastgrpo train configs/gsm8k.yaml --set algo.beta=0.0 --set rollout.num_generations=8
+  fastgrpo train --resume runs/default
+  fastgrpo eval --model runs/default --num 200
+  fastgrpo config configs/gsm8k.yaml --set train.steps=10
+"""
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config", nargs="?", help="YAML preset (see configs/); omit for the defaults"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting, e.g. --set algo.beta=0.0 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastgrpo",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train",
+        help="run GRPO training",
+        description="Run GRPO training. Writes config.yaml, metrics.jsonl and "
+        "checkpoints/ into run.output_dir. Ctrl-C saves a checkpoint and exits.",
+    )
+    _add_config_arguments(train)
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)",
+    )
+    train.add_argument("--output-dir", help="shorthand for --set run.output_dir=DIR")
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a model or checkpoint",
+        description="Accuracy and mean reward of a model on a task split, "
+        "with the task, rewards and sampling settings of CONFIG.",
+    )
+    _add_config_arguments(evaluate)
+    evaluate.add_argument(
+        "--model",
+        help="model name, hub id, directory, .gguf file, checkpoint or run folder "
+        "(default: model.name of the config)",
+    )
+    evaluate.add_argument(
+        "--split", choices=("eval", "train"), default="eval", help="task split (default: eval)"
+    )
+    evaluate.add_argument("--num", type=int, help="number of problems (default: eval.num_problems)")
+    evaluate.add_argument(
+        "--temperature", type=float, help="0 for greedy (default: eval.temperature)"
+    )
+    evaluate.add_argument(
+        "--max-new-tokens", type=int, help="default: eval.max_new_tokens or rollout.max_new_tokens"
+    )
+    evaluate.add_argument(
+        "--show", type=int, default=0, metavar="N", help="print N sample completions"
+    )
+
+    config = commands.add_parser(
+        "config",
+        help="print the resolved configuration",
+        description="Print the configuration CONFIG and --set give, as YAML.",
+    )
+    _add_config_arguments(config)
+    config.add_argument("--keys", action="store_true", help="list every valid key instead")
+    return parser
+
+
+def _version() -> str:
+    from fastgrpo import __version__
+
+    return f"fastgrpo {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from fastgrpo.config import ConfigError
+    from fastgrpo.data import DatasetError
+    from fastgrpo.models import ModelNotFoundError
+
+    try:
+        return {"train": run_train, "eval": run_eval, "config": run_config}[args.command](args)
+    except (ConfigError, DatasetError, ModelNotFoundError) as error:
+        if os.environ.get("FASTGRPO_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _load(args):
+    from fastgrpo.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def run_config(args) -> int:
+    from fastgrpo.config import all_keys
+
+    if args.keys:
+        print("\n".join(all_keys()))
+        return 0
+    print(yaml.safe_dump(_load(args).to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def run_train(args) -> int:
+    from fastgrpo.config import ConfigError
+    from fastgrpo.train import load_resume_config, run_training
+
+    if args.resume:
+        if args.config:
+            raise ConfigError(
+                "--resume uses the run folder's own config.yaml; drop the CONFIG argument"
+            )
+        config = load_resume_config(args.resume)
+    else:
+        config = _load(args)
+    if args.output_dir:
+        args.overrides.append(f"run.output_dir={args.output_dir}")
+    result = run_training(
+        config,
+        resume=bool(args.resume),
+        overrides=args.overrides if args.resume or args.output_dir else (),
+    )
+    before, after = result.eval_before, result.eval_after
+    print(
+        f"run folder: {result.run_dir} ({result.steps} steps{', interrupted' if result.interrupted else ''})"
+    )
+    if before and after:
+        print(
+            f"held-out accuracy: {before['accuracy']:.3f} before -> {after['accuracy']:.3f} after "
+            f"({after['num_problems']} problems, seed {config.train.seed})"
+        )
+    summary = {
+        "run_dir": str(result.run_dir),
+        "steps": result.steps,
+        "interrupted": result.interrupted,
+        "accuracy_before": before and before["accuracy"],
+        "accuracy_after": after and after["accuracy"],
+    }
+    print(json.dumps(summary))
+    return 130 if result.interrupted else 0
+
+
+def run_eval(args) -> int:
+    from fastgrpo.models import load_model, stop_token_ids
+    from fastgrpo.rewards import RewardSet
+    from fastgrpo.train.checkpoint import latest_checkpoint
+    from fastgrpo.train.evaluate import evaluate
+    from fastgrpo.train.loop import build_task_data
+
+    config = _load(args)
+    name = args.model or config.model.name
+    run_checkpoint = latest_checkpoint(name) if Path(name).is_dir() else None
+    if run_checkpoint is not None:  # a run folder: its newest checkpoint
+        name = str(run_checkpoint / "model")
+    model, tokenizer, source = load_model(
+        name,
+        dtype=config.model.dtype,
+        device=config.model.device,
+        revision=config.model.revision,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+    task = build_task_data(config)
+    examples = (task.eval if args.split == "eval" else task.train)[
+        : args.num or config.eval.num_problems
+    ]
+    samples: list = []
+    scores = evaluate(
+        model,
+        tokenizer,
+        examples,
+        rewards=RewardSet.from_specs(config.rewards),
+        stop_ids=stop_token_ids(tokenizer, model),
+        system_prompt=config.task.system_prompt,
+        temperature=config.eval.temperature if args.temperature is None else args.temperature,
+        max_new_tokens=args.max_new_tokens
+        or config.eval.max_new_tokens
+        or config.rollout.max_new_tokens,
+        batch_size=config.eval.batch_size,
+        seed=config.train.seed,
+        samples=samples,
+    )
+    for prompt, completion, answer in samples[: args.show]:
+        print(f"--- {prompt!r}\n{completion!r}  (reference {answer!r})")
+    print(
+        f"{source.description}: accuracy {scores['accuracy']:.3f}, mean reward {scores['reward_mean']:.3f} "
+        f"on {scores['num_problems']} {config.task.name} {args.split} problems"
+    )
+    print(json.dumps({"model": name, "task": config.task.name, "split": args.split, **scores}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

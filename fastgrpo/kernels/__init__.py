@@ -1,0 +1,1 @@
+"""Compute kernels: each op beside its pure-PyTorch reference (`*_ref`), which is the spec."""

@@ -1,0 +1,221 @@
+"""Exact-answer reward for math word problems (GSM8K, MATH and the like).
+
+GRPO learns only from the reward signal, so the reward must not be fooled by how a
+model writes its answer: "$1,234.50.", "\\boxed{\\frac{3}{4}}", "Answer: 12 apples"
+and "#### 18" are all ordinary model outputs. This module finds the final answer in
+a completion, parses numbers exactly (as fractions, so 0.5 == 1/2 with no float
+rounding), and compares it to the dataset's reference answer.
+"""
+
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+from fastgrpo.rewards.completions import completion_text
+
+_GSM8K_MARKER = "####"
+_BOXED_COMMANDS = ("\\boxed", "\\fbox")
+
+# "the answer is X", "final answer: X", "**Answer:** X", "A: X" (matched case-insensitively).
+_ANSWER_PHRASE = re.compile(
+    r"\banswer(?:\s*\*\*)?\s*(?:(?:is|would\s+be|will\s+be)\b|[:=])(?:\s*\*\*)?\s*:?"
+    r"|\bA\s*:",
+    re.IGNORECASE,
+)
+# The end of the sentence that holds a phrase answer: ". " but not the "." of "3.5".
+_SENTENCE_END = re.compile(r"[.!?;](?=\s|$)|,\s")
+
+_UNSIGNED_NUMBER = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+# A minus sign counts only when it is not the binary minus of "16-3".
+_NUMBER_IN_TEXT = re.compile(rf"(?:(?<![\w)\]])[-\u2212])?{_UNSIGNED_NUMBER}(?:/\d+)?")
+
+_LATEX_FRACTION = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_LATEX_WRAPPER = re.compile(
+    r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|boxed|fbox)\s*\{([^{}]*)\}"
+)
+_LATEX_NOISE = re.compile(r"\\[!,;: ]|\\left|\\right|\^\{?\\circ\}?|\\%|\\\$")
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_NUMERIC_ANSWER = re.compile(
+    r"(?P<sign>[-+]?)\s*(?P<numerator>\d+(?:\.\d+)?|\.\d+)"
+    r"(?:\s*/\s*(?P<denominator>\d+(?:\.\d+)?|\.\d+))?"
+    r"(?:\s*[^\W\d_](?:[^\W\d_]|[./^ ])*)?\s*\.?"
+)
+_SYMBOLS_TO_DROP = "$%€£¥°"
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: a marked answer if any, else its last number."""
+    return extract_marked_answer(text) or _last_number(text)
+
+
+def extract_marked_answer(text: str) -> str | None:
+    """The answer a completion states explicitly: ``#### X``, ``\\boxed{X}`` or "answer is X".
+
+    Markers are tried in that priority order; within one kind the last occurrence wins.
+    Returns None when the completion marks no (non-empty) answer.
+    """
+    for find in (_after_last_gsm8k_marker, _last_boxed_content, _after_last_answer_phrase):
+        answer = find(text)
+        if answer:
+            return answer
+    return None
+
+
+def _after_last_gsm8k_marker(text: str) -> str | None:
+    """The rest of the line after the last ``####`` that is followed by something."""
+    for segment in reversed(text.split(_GSM8K_MARKER)[1:]):
+        answer = _clean_answer(segment.lstrip().split("\n", 1)[0])
+        if answer:
+            return answer
+    return None
+
+
+def _last_boxed_content(text: str) -> str | None:
+    """The content of the last well-formed ``\\boxed{...}``, nested braces included."""
+    starts = [
+        match.end()
+        for command in _BOXED_COMMANDS
+        for match in re.finditer(re.escape(command) + r"\s*\{", text)
+    ]
+    for start in sorted(starts, reverse=True):
+        content = _braced_content(text, start)
+        answer = _clean_answer(content) if content is not None else None
+        if answer:
+            return answer
+    return None
+
+
+def _braced_content(text: str, start: int) -> str | None:
+    """Text from ``start`` (just after a ``{``) up to its matching ``}``; None if unclosed."""
+    depth = 1
+    for index in range(start, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:index]
+    return None
+
+
+def _after_last_answer_phrase(text: str) -> str | None:
+    """What follows the last "the answer is" / "Answer:" / "A:", up to the sentence end."""
+    for match in reversed(list(_ANSWER_PHRASE.finditer(text))):
+        following = text[match.end() :].lstrip().split("\n", 1)[0]
+        answer = _clean_answer(_SENTENCE_END.split(following, maxsplit=1)[0])
+        if answer:
+            return answer
+    return None
+
+
+def _clean_answer(raw: str) -> str:
+    """Trim whitespace, markdown bold and a closing period; keep the right side of an "="."""
+    answer = raw.strip().strip("*").strip()
+    if "=" in answer:
+        answer = answer.rsplit("=", 1)[1].strip()
+    return answer.rstrip(".").strip()
+
+
+def _last_number(text: str) -> str | None:
+    """The last number written in the text, e.g. "-7" in "So x = -7."."""
+    numbers = _NUMBER_IN_TEXT.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_number(text: str) -> Fraction | None:
+    """Parse a numeric answer exactly, or return None when it is not a number.
+
+    Accepts "1,234", "$18", "50%", "18 dollars", "3.5 km", "0.50", "3/4",
+    "\\frac{3}{4}", "-7", "\u22127", "+5", "$\\$18$" and "18." alike.
+    """
+    if text is None:
+        return None
+    match = _NUMERIC_ANSWER.fullmatch(_strip_number_decoration(str(text)))
+    if match is None:
+        return None
+    value = Fraction(match["numerator"])
+    if match["denominator"] is not None:
+        denominator = Fraction(match["denominator"])
+        if denominator == 0:
+            return None
+        value /= denominator
+    return -value if match["sign"] == "-" else value
+
+
+def _strip_number_decoration(text: str) -> str:
+    """Remove LaTeX, currency, percent and thousands separators around a number."""
+    cleaned = text.replace("\u2212", "-")
+    cleaned = _LATEX_FRACTION.sub(r"\1/\2", cleaned)
+    cleaned = _unwrap_latex_commands(cleaned)
+    cleaned = _LATEX_NOISE.sub("", cleaned)
+    cleaned = cleaned.translate({ord(symbol): None for symbol in _SYMBOLS_TO_DROP})
+    cleaned = _THOUSANDS_COMMA.sub("", cleaned)
+    return cleaned.strip().strip("*{}").strip()
+
+
+def _unwrap_latex_commands(text: str) -> str:
+    """Replace ``\\text{x}``-style wrappers by their content, innermost first."""
+    previous = None
+    while previous != text:
+        previous, text = text, _LATEX_WRAPPER.sub(r"\1", text)
+    return text
+
+
+def answers_match(predicted: str | None, reference: str) -> bool:
+    """True when the answers are equal as numbers, or (if either is not one) as text."""
+    if predicted is None:
+        return False
+    predicted_number = normalize_number(predicted)
+    reference_number = normalize_number(reference)
+    if predicted_number is not None and reference_number is not None:
+        return predicted_number == reference_number
+    return _normalize_text(predicted) == _normalize_text(reference)
+
+
+def _normalize_text(text: str) -> str:
+    """Text for a non-numeric comparison: no LaTeX wrappers, case, whitespace or final period."""
+    unwrapped = _unwrap_latex_commands(str(text)).replace("$", "")
+    return "".join(unwrapped.split()).lower().rstrip(".")
+
+
+def reference_answer(answer: Any) -> str:
+    """The final value of a dataset answer: the text after the last ``####``, else all of it."""
+    text = "" if answer is None else str(answer)
+    if _GSM8K_MARKER in text:
+        text = text.rsplit(_GSM8K_MARKER, 1)[1]
+    return text.strip()
+
+
+def math_accuracy(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    answer: Sequence[Any],
+    **columns: Any,
+) -> list[float]:
+    """1.0 for each completion whose final answer matches its reference ``answer``, else 0.0."""
+    if isinstance(answer, str) or len(answer) != len(completions):
+        raise ValueError(
+            "math_accuracy needs one reference answer per completion: got "
+            f"{_describe_length(answer)} answers for {len(completions)} completions. "
+            "Pass the dataset's answer column as a list (answer=[...])."
+        )
+    return [
+        _score_completion(completion, reference)
+        for completion, reference in zip(completions, answer)
+    ]
+
+
+def _score_completion(completion: Any, reference: Any) -> float:
+    """1.0 if one completion's answer matches one reference, else 0.0."""
+    if reference is None:
+        return 0.0
+    predicted = extract_answer(completion_text(completion))
+    return 1.0 if answers_match(predicted, reference_answer(reference)) else 0.0
+
+
+def _describe_length(values: Any) -> str:
+    """How many values a column holds, phrased for an error message."""
+    if isinstance(values, str):
+        return "a single string instead of a list of"
+    return str(len(values))

@@ -1,0 +1,342 @@
+"""Find reward functions by name and combine several of them into one weighted reward.
+
+A training config names its rewards as strings: a built-in ("math_accuracy"), an
+importable function ("my_pkg.rewards:length_penalty") or a function in a file
+("rewards/custom.py:score"). :class:`RewardSet` calls them all on a batch and sums
+them with weights. A buggy user reward must not kill a long training run, so a
+reward that raises or returns bad values scores 0 for those completions, is
+counted in :attr:`RewardResult.failures`, and is logged (without spamming).
+"""
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastgrpo.rewards.format import answer_format
+from fastgrpo.rewards.math import math_accuracy
+
+RewardFunction = Callable[..., Sequence[Any]]
+
+logger = logging.getLogger("fastgrpo.rewards")
+
+BUILTIN_REWARDS: dict[str, RewardFunction] = {
+    "math_accuracy": math_accuracy,
+    "answer_format": answer_format,
+}
+
+_USER_SPEC_HINT = "For your own reward use 'module.path:function' or 'path/to/file.py:function'."
+_SPEC_DICT_KEYS = {"name", "function", "weight"}
+
+
+def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
+    """The reward function named by ``spec``: a built-in, "module:function" or "file.py:function"."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"A reward spec must be a non-empty string, got {spec!r}. {_USER_SPEC_HINT}"
+        )
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(_unknown_builtin_message(spec))
+    location, function_name = spec.rsplit(":", 1)
+    if _looks_like_file(location):
+        module = _load_file_module(location, spec)
+    else:
+        module = _import_module(location, spec)
+    return _get_function(module, function_name, spec)
+
+
+def _unknown_builtin_message(name: str) -> str:
+    """An error message for an unknown built-in name, with the closest match if any."""
+    available = ", ".join(sorted(BUILTIN_REWARDS))
+    close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1, cutoff=0.5)
+    suggestion = f" Did you mean '{close[0]}'?" if close else ""
+    return (
+        f"Unknown reward '{name}'.{suggestion} Available built-in rewards: {available}. "
+        f"{_USER_SPEC_HINT}"
+    )
+
+
+def _looks_like_file(location: str) -> bool:
+    """True if the part before ":" is a file path rather than a dotted module name."""
+    return location.endswith(".py") or "/" in location or "\\" in location
+
+
+def _load_file_module(location: str, spec: str) -> Any:
+    """Execute a Python file as a fresh module and return it."""
+    path = Path(location).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(
+            f"Reward file '{location}' (from spec '{spec}') does not exist "
+            f"(looked at {path}). Fix the path; relative paths start at the current directory."
+        )
+    module_name = f"fastgrpo_user_reward_{path.stem}_{_short_hash(str(path))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"Cannot load '{location}' (from spec '{spec}') as a Python module.")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise ValueError(
+            f"Running reward file '{location}' (from spec '{spec}') raised "
+            f"{type(error).__name__}: {error}. Fix the error in that file."
+        ) from error
+    return module
+
+
+def _short_hash(text: str) -> str:
+    """A short stable digest, so files with the same name load as distinct modules."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:10]
+
+
+def _import_module(location: str, spec: str) -> Any:
+    """Import a module by dotted name, with an error that says how to fix a failure."""
+    try:
+        return importlib.import_module(location)
+    except ModuleNotFoundError as error:
+        raise ValueError(
+            f"Cannot import module '{location}' (from spec '{spec}'): {error}. Install it or "
+            "add its folder to PYTHONPATH, or give a file path: 'path/to/file.py:function'."
+        ) from error
+    except Exception as error:
+        raise ValueError(
+            f"Importing module '{location}' (from spec '{spec}') raised "
+            f"{type(error).__name__}: {error}. Fix the error in that module."
+        ) from error
+
+
+def _get_function(module: Any, function_name: str, spec: str) -> RewardFunction:
+    """The callable ``function_name`` of ``module``, or a ValueError listing what exists."""
+    function = getattr(module, function_name, None)
+    if function is None:
+        public = sorted(
+            n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n])
+        )
+        raise ValueError(
+            f"Module '{module.__name__}' (from spec '{spec}') has no attribute "
+            f"'{function_name}'. Callables it defines: {', '.join(public) or 'none'}."
+        )
+    if not callable(function):
+        raise ValueError(
+            f"'{function_name}' in spec '{spec}' is a {type(function).__name__}, not a function. "
+            "Point the spec at a function fn(prompts, completions, **columns) -> list[float]."
+        )
+    return function
+
+
+@dataclass
+class RewardResult:
+    """Rewards for one batch: weighted totals, each reward's values, and failure counts."""
+
+    total: list[float]
+    per_reward: dict[str, list[float]] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _RewardTerm:
+    """One reward in a set: its label, its function and its weight."""
+
+    name: str
+    function: RewardFunction
+    weight: float
+
+
+class _BadRewardOutput(Exception):
+    """A reward's output as a whole was unusable (wrong type or length)."""
+
+
+class RewardSet:
+    """Several reward functions called on a batch and summed with weights, fault-tolerantly."""
+
+    def __init__(self, rewards: Iterable[tuple[str, RewardFunction, float]], warn_every: int = 100):
+        self._terms = [_make_term(name, function, weight) for name, function, weight in rewards]
+        _check_unique_names([term.name for term in self._terms])
+        self._warn_every = max(1, int(warn_every))
+        self._failed_calls: dict[str, int] = {term.name: 0 for term in self._terms}
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[str | Mapping[str, Any]]) -> "RewardSet":
+        """Build a set from config entries: "name", "module:function" or a dict with a weight."""
+        return cls(_parse_spec(spec) for spec in specs)
+
+    @property
+    def names(self) -> list[str]:
+        """The rewards' names, in call order."""
+        return [term.name for term in self._terms]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each reward's weight in the total."""
+        return {term.name: term.weight for term in self._terms}
+
+    def __len__(self) -> int:
+        return len(self._terms)
+
+    def __repr__(self) -> str:
+        terms = ", ".join(f"{term.name}*{term.weight:g}" for term in self._terms)
+        return f"RewardSet({terms})"
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> RewardResult:
+        """Score a batch; ``columns`` holds extra dataset columns, one value per completion."""
+        columns = dict(columns or {})
+        _check_batch(prompts, completions, columns)
+        total = [0.0] * len(completions)
+        result = RewardResult(total=total)
+        for term in self._terms:
+            values, failures = self._score(term, prompts, completions, columns)
+            result.per_reward[term.name] = values
+            result.failures[term.name] = failures
+            for index, value in enumerate(values):
+                total[index] += term.weight * value
+        return result
+
+    def _score(
+        self,
+        term: _RewardTerm,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: dict[str, Sequence[Any]],
+    ) -> tuple[list[float], int]:
+        """One reward's sanitized values and how many of them had to be replaced by 0."""
+        count = len(completions)
+        try:
+            raw = term.function(prompts=prompts, completions=completions, **columns)
+        except Exception as error:
+            self._record_failure(term.name, count, count, error, show_traceback=True)
+            return [0.0] * count, count
+        try:
+            values, bad_values = _sanitize(raw, count)
+        except Exception as error:
+            self._record_failure(term.name, count, count, error, show_traceback=False)
+            return [0.0] * count, count
+        if bad_values:
+            problem = _BadRewardOutput(f"returned {bad_values} None/NaN/inf/non-numeric value(s)")
+            self._record_failure(term.name, bad_values, count, problem, show_traceback=False)
+        return values, bad_values
+
+    def _record_failure(
+        self, name: str, bad: int, count: int, error: Exception, show_traceback: bool
+    ) -> None:
+        """Count a failing call and log it on the first and every ``warn_every``-th time."""
+        self._failed_calls[name] += 1
+        failed_calls = self._failed_calls[name]
+        if (failed_calls - 1) % self._warn_every != 0:
+            return
+        logger.warning(
+            "Reward '%s' failed (failing call #%d; %d of %d values set to 0; "
+            "the next %d failing calls are not logged): %s: %s",
+            name,
+            failed_calls,
+            bad,
+            count,
+            self._warn_every - 1,
+            type(error).__name__,
+            error,
+            exc_info=error if show_traceback else None,
+        )
+
+
+def _make_term(name: str, function: RewardFunction, weight: float) -> _RewardTerm:
+    """Validate one (name, function, weight) triple."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"A reward name must be a non-empty string, got {name!r}.")
+    if not callable(function):
+        raise ValueError(f"Reward '{name}' is not callable: got {type(function).__name__}.")
+    try:
+        weight = float(weight)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"Reward '{name}' has a non-numeric weight {weight!r}.") from error
+    if not math.isfinite(weight):
+        raise ValueError(
+            f"Reward '{name}' has a non-finite weight {weight!r}; use a finite number."
+        )
+    return _RewardTerm(name=name, function=function, weight=weight)
+
+
+def _check_unique_names(names: list[str]) -> None:
+    """Reject two rewards with one name, since their results would overwrite each other."""
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"Reward names must be unique, but {', '.join(duplicates)} appear more than once. "
+            "Give each a distinct 'name' in its spec."
+        )
+
+
+def _check_batch(
+    prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Sequence[Any]]
+) -> None:
+    """Reject a malformed batch early, with a message naming the mismatch."""
+    if len(prompts) != len(completions):
+        raise ValueError(
+            f"RewardSet got {len(prompts)} prompts for {len(completions)} completions; "
+            "repeat each prompt once per completion."
+        )
+    reserved = sorted({"prompts", "completions"} & set(columns))
+    if reserved:
+        raise ValueError(f"Dataset columns may not be named {', '.join(reserved)}; rename them.")
+
+
+def _sanitize(raw: Any, count: int) -> tuple[list[float], int]:
+    """Floats from a reward's output, with unusable values replaced by 0 (and counted)."""
+    if isinstance(raw, str | bytes | Mapping) or not hasattr(raw, "__len__"):
+        raise _BadRewardOutput(f"returned {type(raw).__name__}, expected a list of {count} floats")
+    if len(raw) != count:
+        raise _BadRewardOutput(f"returned {len(raw)} values for {count} completions")
+    values = [_finite_float(value) for value in raw]
+    bad_values = sum(value is None for value in values)
+    return [0.0 if value is None else value for value in values], bad_values
+
+
+def _finite_float(value: Any) -> float | None:
+    """The value as a finite float, or None if it is missing, non-numeric, NaN or infinite."""
+    if value is None or isinstance(value, str | bytes):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, RewardFunction, float]:
+    """One config entry as (name, function, weight)."""
+    if isinstance(spec, str):
+        return _default_name(spec), resolve_reward(spec), 1.0
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"A reward spec must be a string or a dict, got {type(spec).__name__}.")
+    unknown = sorted(set(spec) - _SPEC_DICT_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Reward spec {dict(spec)!r} has unknown keys {', '.join(unknown)}; "
+            f"allowed keys are {', '.join(sorted(_SPEC_DICT_KEYS))}."
+        )
+    target = spec.get("function") or spec.get("name")
+    if not target:
+        raise ValueError(f"Reward spec {dict(spec)!r} needs a 'name' or 'function'.")
+    label = spec.get("name") if "function" in spec else None
+    return label or _default_name(target), resolve_reward(target), spec.get("weight", 1.0)
+
+
+def _default_name(target: Any) -> str:
+    """A reward's label: the built-in name, or the function part of "module:function"."""
+    if callable(target):
+        return getattr(target, "__name__", type(target).__name__)
+    return str(target).strip().rsplit(":", 1)[-1]

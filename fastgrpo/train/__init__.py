@@ -1,0 +1,48 @@
+"""The training loop, optimizer, checkpoints, metrics and evaluation.
+
+`fastgrpo.train` is both this package and the function that runs training: the module is made
+callable so that `fastgrpo.train(config)` and `fastgrpo.train.loop` both work.
+"""
+
+import sys
+import types
+from pathlib import Path
+
+from fastgrpo.train.evaluate import evaluate
+from fastgrpo.train.loop import TrainResult, grpo_step, load_resume_config
+
+
+def run_training(config=None, *, resume: bool = False, overrides=()) -> TrainResult:
+    """Train from a `Config`, a dict of sections, a YAML path, or None (the quick-start defaults)."""
+    from fastgrpo.config import (
+        Config,
+        config_from_dict,
+        load_config,
+        parse_override,
+        set_dotted,
+        validate,
+    )
+    from fastgrpo.train.loop import train as _train
+
+    if config is None or isinstance(config, (str, Path)):
+        config = load_config(config)
+    elif isinstance(config, dict):
+        config = config_from_dict(config)
+    elif not isinstance(config, Config):
+        raise TypeError(
+            f"config must be a Config, dict, YAML path or None, not {type(config).__name__}"
+        )
+    for item in overrides:
+        set_dotted(config, *parse_override(item))
+    validate(config)
+    return _train(config, resume=resume)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, config=None, **kwargs) -> TrainResult:
+        return run_training(config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["TrainResult", "evaluate", "grpo_step", "load_resume_config", "run_training"]

@@ -1,0 +1,81 @@
+"""Held-out evaluation: accuracy and mean reward of a model on a task split."""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.data import Example, render_prompt
+from fastgrpo.rewards import RewardSet, math_accuracy
+from fastgrpo.rollout import generate_rollout
+
+
+def decode_completions(tokenizer, rollout) -> list[str]:
+    """Completion text of each row, cut after its stop token, special tokens removed."""
+    lengths = rollout.completion_mask.sum(-1).long().tolist()
+    rows = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def reward_columns(examples: list[Example], repeat: int) -> dict[str, list]:
+    keys = dict.fromkeys(key for ex in examples for key in ex.columns)
+    return {key: [ex.columns.get(key) for ex in examples for _ in range(repeat)] for key in keys}
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    examples: list[Example],
+    *,
+    rewards: RewardSet,
+    stop_ids: list[int],
+    system_prompt: str | None = None,
+    temperature: float = 0.0,
+    max_new_tokens: int = 64,
+    batch_size: int = 64,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    samples: list | None = None,
+) -> dict:
+    """{"accuracy", "reward_mean", "num_problems", "mean_length", "truncated"} over `examples`.
+
+    Sampling (temperature > 0) draws from a forked RNG seeded with `seed`, so evaluating never
+    changes the training run's random stream and is repeatable. If `samples` is a list, the
+    (prompt, completion, answer) triples are appended to it.
+    """
+    correct, reward_total, length_total, truncated = 0.0, 0.0, 0.0, 0
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            texts = [render_prompt(tokenizer, ex.prompt, system_prompt) for ex in chunk]
+            rollout = generate_rollout(
+                model,
+                tokenizer,
+                texts,
+                num_generations=1,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop_ids,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
+            completions = decode_completions(tokenizer, rollout)
+            prompts = [ex.prompt for ex in chunk]
+            columns = reward_columns(chunk, 1)
+            correct += sum(math_accuracy(prompts, completions, **columns))
+            reward_total += sum(rewards(prompts, completions, columns).total)
+            length_total += rollout.lengths.sum().item()
+            truncated += int((~rollout.finished).sum())
+            if samples is not None:
+                samples.extend(zip(prompts, completions, columns["answer"]))
+    n = max(len(examples), 1)
+    return {
+        "accuracy": correct / n,
+        "reward_mean": reward_total / n,
+        "num_problems": len(examples),
+        "mean_length": length_total / n,
+        "truncated": truncated / n,
+    }

@@ -1,0 +1,64 @@
+"""Per-token log-probs of completion tokens under a causal LM, without full-sequence logits.
+
+The backbone runs on prompt + completion; only the hidden states that predict completion tokens
+(and only unmasked ones, packed) go through the LM head, via `kernels.lm_head_logprob`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.kernels.lm_head_logprob import lm_head_logprob
+from fastgrpo.rollout.types import Rollout
+
+
+def backbone_of(model):
+    """The transformer body returning hidden states (e.g. `LlamaForCausalLM.model`)."""
+    body = getattr(model, model.base_model_prefix, None)
+    if body is None:
+        raise ValueError(f"{type(model).__name__} exposes no base model; it cannot be trained here")
+    return body
+
+
+def trim_padding(rollout: Rollout) -> Rollout:
+    """Drop prompt columns that are padding in every row and completion columns after every stop."""
+    keep_prompt = rollout.prompt_mask.any(0).nonzero()
+    start = int(keep_prompt[0]) if len(keep_prompt) else rollout.prompt_mask.shape[1] - 1
+    width = max(int(rollout.completion_mask.sum(-1).max()), 1)
+    return Rollout(
+        rollout.prompt_ids[:, start:],
+        rollout.prompt_mask[:, start:],
+        rollout.completion_ids[:, :width],
+        rollout.completion_mask[:, :width],
+        rollout.finished,
+        None if rollout.sampling_logp is None else rollout.sampling_logp[:, :width],
+    )
+
+
+def completion_logprobs(
+    model, rollout: Rollout, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp, entropy) of shape (B, Tc) for the rollout's completion tokens; 0 where masked.
+
+    The rollout should already be trimmed (`trim_padding`); widths are kept as given.
+    """
+    prompt_len = rollout.prompt_ids.shape[1]
+    input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (B, Tp+Tc)
+    attention = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.completion_ids)], 1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+    hidden = backbone_of(model)(
+        input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
+    ).last_hidden_state  # (B, Tp+Tc, H)
+    hidden = hidden[:, prompt_len - 1 : -1]  # (B, Tc, H): position t predicts completion token t
+    keep = rollout.completion_mask.bool()  # (B, Tc)
+    weight = model.get_output_embeddings().weight  # (V, H)
+    packed_logp, packed_entropy = lm_head_logprob(
+        hidden[keep], weight, rollout.completion_ids[keep], temperature, with_entropy
+    )  # (n,)
+    logp = hidden.new_zeros(keep.shape, dtype=torch.float32).masked_scatter(keep, packed_logp)
+    entropy = None
+    if with_entropy:
+        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32).masked_scatter(
+            keep, packed_entropy
+        )
+    return logp, entropy

@@ -1,0 +1,488 @@
+"""The GRPO training loop, top to bottom: the one place that knows every phase of a step.
+
+    prompts -> G completions each -> rewards -> advantages -> reference / old log-probs
+      -> K inner epochs x mini-batches x token-budget micro-batches (accumulate, clip, AdamW step)
+      -> metrics, checkpoint
+
+Rows whose gradient is exactly zero (zero advantage, no KL, no entropy bonus) are not run through
+the update at all; they still count in the loss normalisers, so the update is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from fastgrpo.algo import group_advantages, policy_loss, zero_std_fraction
+from fastgrpo.config import Config, ConfigError, config_from_dict, validate
+from fastgrpo.data import PromptSampler, TaskData, build_task, render_prompt
+from fastgrpo.models import load_model, stop_token_ids
+from fastgrpo.rewards import RewardSet, math_accuracy
+from fastgrpo.rollout import Rollout, generate_rollout
+from fastgrpo.train.batching import plan_micro_batches
+from fastgrpo.train.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from fastgrpo.train.evaluate import decode_completions, evaluate, reward_columns
+from fastgrpo.train.logprobs import completion_logprobs, trim_padding
+from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
+from fastgrpo.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("fastgrpo.train")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int  # optimizer-loop steps completed (global, including resumed ones)
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    history: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+
+
+@dataclass
+class MicroBatch:
+    rollout: Rollout  # trimmed rows
+    advantages: torch.Tensor  # (b,)
+    ref_logp: torch.Tensor | None = None  # (b, Tc)
+    old_logp: torch.Tensor | None = None  # (b, Tc)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def build_task_data(config: Config) -> TaskData:
+    t = config.task
+    options = dict(
+        seed=t.seed,
+        num_train=t.num_train,
+        num_eval=t.num_eval,
+        prompt_template=t.prompt_template,
+        path=t.path,
+        prompt_field=t.prompt_field,
+        answer_field=t.answer_field,
+        train_split=t.train_split,
+        eval_split=t.eval_split,
+    )
+    if t.name == "arithmetic":
+        options.update(
+            min_value=t.min_value,
+            max_value=t.max_value,
+            num_operands=t.num_operands,
+            operations=t.operations,
+        )
+    return build_task(t.name, **{k: v for k, v in options.items() if v is not None})
+
+
+def prepare_run_dir(config: Config, resume: bool) -> Path:
+    run_dir = Path(config.run.output_dir)
+    if resume:
+        if latest_checkpoint(run_dir) is None:
+            raise ConfigError(f"--resume: {run_dir} holds no checkpoint to continue from.")
+    elif latest_checkpoint(run_dir) is not None:
+        raise ConfigError(
+            f"{run_dir} already holds a run. Continue it with `fastgrpo train --resume {run_dir}`, "
+            f"or start a new one elsewhere with --set run.output_dir=runs/NEW."
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def load_resume_config(run_dir: str | Path, overrides: dict | None = None) -> Config:
+    """The config a run folder was started with (overrides applied on top)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume: {run_dir} has no config.yaml; is it a fastgrpo run folder?")
+    data = yaml.safe_load(path.read_text())
+    config = config_from_dict(data)
+    config.run.output_dir = str(run_dir)
+    validate(config)
+    return config
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(config: Config, *, resume: bool = False) -> TrainResult:
+    """Run GRPO training as configured; `resume` continues the run in `config.run.output_dir`."""
+    run_dir = prepare_run_dir(config, resume)
+    torch.manual_seed(config.train.seed)
+    task = build_task_data(config)
+    rewards = RewardSet.from_specs(config.rewards)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    model_name = str(checkpoint / "model") if checkpoint else config.model.name
+    model, tokenizer, _ = load_model(
+        model_name,
+        dtype=config.model.dtype,
+        device=config.model.device,
+        revision=config.model.revision,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = True
+    ref_model = None
+    if config.algo.beta != 0:
+        ref_model, _, _ = load_model(
+            config.model.name,
+            dtype=config.model.dtype,
+            device=config.model.device,
+            revision=config.model.revision,
+            trust_remote_code=config.model.trust_remote_code,
+        )
+        ref_model.requires_grad_(False).eval()
+    stop_ids = stop_token_ids(tokenizer, model)
+    sampler = PromptSampler(
+        len(task.train), config.rollout.prompts_per_step, seed=config.train.seed
+    )
+    optimizer = build_optimizer(
+        model,
+        learning_rate=config.train.learning_rate,
+        weight_decay=config.train.weight_decay,
+        betas=(config.train.adam_beta1, config.train.adam_beta2),
+        eps=config.train.adam_eps,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        kind=config.train.lr_scheduler,
+        warmup_steps=config.train.warmup_steps,
+        total_steps=config.train.steps * config.train.num_iterations * config.train.mini_batches,
+    )
+    step = 0
+    if checkpoint is not None:
+        state = load_trainer_state(checkpoint)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        step = state["step"]
+
+    result = TrainResult(run_dir=run_dir, steps=step)
+    metrics = MetricsLog(
+        run_dir, total_steps=config.train.steps, start_step=step, show_progress=config.run.progress
+    )
+    evaluate_now = _evaluator(config, model, tokenizer, task, rewards, stop_ids, metrics)
+    if config.eval.before and step == 0:
+        result.eval_before = evaluate_now(step, "before")
+    stop = _StopRequest()
+    try:
+        while step < config.train.steps and not stop.requested:
+            examples = [task.train[i] for i in sampler.next_batch()]
+            record = grpo_step(
+                config,
+                model,
+                ref_model,
+                tokenizer,
+                optimizer,
+                scheduler,
+                examples,
+                rewards,
+                stop_ids,
+            )
+            step += 1
+            record["step"] = step
+            metrics.log(record)
+            result.history.append(record)
+            if (
+                config.eval.every_steps
+                and step % config.eval.every_steps == 0
+                and step < config.train.steps
+            ):
+                evaluate_now(step, "during")
+            if (
+                stop.requested
+                or step == config.train.steps
+                or (config.run.save_every and step % config.run.save_every == 0)
+            ):
+                state = {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "sampler": sampler.state_dict(),
+                }
+                where = save_checkpoint(
+                    run_dir,
+                    step,
+                    model=model,
+                    tokenizer=tokenizer,
+                    trainer_state=state,
+                    config=config.to_dict(),
+                    keep=config.run.keep_checkpoints,
+                )
+                if stop.requested:
+                    metrics.write(
+                        f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
+                    )
+    finally:
+        stop.restore()
+    result.steps = step
+    result.interrupted = stop.requested
+    if config.eval.after and not stop.requested and step == config.train.steps:
+        result.eval_after = evaluate_now(step, "after")
+    metrics.close()
+    return result
+
+
+def _evaluator(config, model, tokenizer, task, rewards, stop_ids, metrics):
+    problems = task.eval[: config.eval.num_problems]
+
+    def run(step: int, when: str) -> dict | None:
+        if not problems:
+            return None
+        start = time.perf_counter()
+        scores = evaluate(
+            model,
+            tokenizer,
+            problems,
+            rewards=rewards,
+            stop_ids=stop_ids,
+            system_prompt=config.task.system_prompt,
+            temperature=config.eval.temperature,
+            max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
+            batch_size=config.eval.batch_size,
+            seed=config.train.seed,
+        )
+        metrics.log(
+            {
+                "kind": "eval",
+                "when": when,
+                "step": step,
+                **scores,
+                "time/eval": time.perf_counter() - start,
+            }
+        )
+        metrics.write(
+            f"eval ({when}, step {step}): accuracy {scores['accuracy']:.3f} "
+            f"mean reward {scores['reward_mean']:.3f} on {scores['num_problems']} held-out problems"
+        )
+        return scores
+
+    return run
+
+
+class _StopRequest:
+    """First Ctrl-C asks the loop to save and stop after the current step; a second one aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.getsignal(signal.SIGINT)
+        try:
+            signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave Ctrl-C alone
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning(
+            "Ctrl-C: finishing this step, saving a checkpoint and exiting (Ctrl-C again to abort)"
+        )
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def grpo_step(
+    config: Config,
+    model,
+    ref_model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    examples,
+    rewards: RewardSet,
+    stop_ids,
+) -> dict:
+    r, a = config.rollout, config.algo
+    times: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        now = time.perf_counter()
+        times[f"time/{name}"] = now - clock
+        clock = now
+
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
+    step_start = clock
+    texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
+    rollout = generate_rollout(
+        model,
+        tokenizer,
+        texts,
+        num_generations=r.num_generations,
+        max_new_tokens=r.max_new_tokens,
+        stop_ids=stop_ids,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        with_sampling_logp=a.importance_sampling_correction,
+    )
+    lap("rollout")
+
+    completions = decode_completions(tokenizer, rollout)
+    prompts = [ex.prompt for ex in examples for _ in range(r.num_generations)]
+    columns = reward_columns(examples, r.num_generations)
+    scored = rewards(prompts, completions, columns)
+    reward = torch.tensor(scored.total, dtype=torch.float32, device=model.device)  # (B,)
+    accuracy = sum(math_accuracy(prompts, completions, **columns)) / len(completions)
+    advantages = group_advantages(
+        reward, r.num_generations, scale=a.scale_rewards, baseline=a.baseline
+    )  # (B,)
+    lap("reward")
+
+    if (
+        a.mask_truncated_completions
+    ):  # truncated answers teach nothing reliable: drop them from the loss
+        rollout.completion_mask = rollout.completion_mask * rollout.finished.unsqueeze(1)
+    update_metrics = update_policy(
+        config, model, ref_model, optimizer, scheduler, rollout, advantages, times
+    )
+
+    lengths = rollout.lengths
+    record = {
+        "reward/mean": reward.mean().item(),
+        "reward/std": reward.std().item() if reward.numel() > 1 else 0.0,
+        "accuracy": accuracy,
+        "frac_zero_std_groups": zero_std_fraction(reward, r.num_generations).item(),
+        **{f"rewards/{name}": sum(v) / len(v) for name, v in scored.per_reward.items()},
+        **{f"reward_failures/{name}": n for name, n in scored.failures.items() if n},
+        "completion/mean_length": lengths.mean().item(),
+        "completion/min_length": lengths.min().item(),
+        "completion/max_length": lengths.max().item(),
+        "completion/truncated_frac": (~rollout.finished).float().mean().item(),
+        **update_metrics,
+        "lr": scheduler.get_last_lr()[0],
+        **times,
+    }
+    step_time = time.perf_counter() - step_start
+    record["time/step"] = step_time
+    record["tokens_per_s"] = lengths.sum().item() / step_time
+    record["peak_memory_gib"] = peak_memory_gib(model.device)
+    return record
+
+
+def update_policy(
+    config: Config, model, ref_model, optimizer, scheduler, rollout: Rollout, advantages, times
+) -> dict:
+    """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics."""
+    a, t, r = config.algo, config.train, config.rollout
+    rows = advantages.shape[0]
+    per_mini = rows // t.mini_batches
+    zero_grad_possible = a.beta == 0 and a.entropy_coef == 0
+    needs_old = t.num_iterations > 1 or t.mini_batches > 1
+    minis = []
+    clock = time.perf_counter()
+    for m in range(t.mini_batches):
+        index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
+        sub = rollout.rows(index)
+        num_tokens = sub.completion_mask.sum().clamp(min=1)
+        active = (advantages[index] != 0) | (
+            not zero_grad_possible
+        )  # rows that can move the weights
+        micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
+        minis.append((micro, per_mini, num_tokens))
+    with torch.no_grad():
+        for micro, _, _ in minis:
+            for mb in micro:
+                if ref_model is not None:
+                    mb.ref_logp, _ = completion_logprobs(
+                        ref_model, mb.rollout, temperature=r.temperature
+                    )
+    times["time/reference"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    if needs_old:
+        with torch.no_grad():
+            for micro, _, _ in minis:
+                for mb in micro:
+                    mb.old_logp, _ = completion_logprobs(
+                        model, mb.rollout, temperature=r.temperature
+                    )
+    times["time/old_logprobs"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    totals: dict[str, float] = {}
+    weight_sum = 0.0
+    grad_norms = []
+    model.train()
+    for _ in range(t.num_iterations):
+        for micro, num_sequences, num_tokens in minis:
+            optimizer.zero_grad(set_to_none=True)
+            for mb in micro:
+                logp, entropy = completion_logprobs(
+                    model, mb.rollout, temperature=r.temperature, with_entropy=True
+                )
+                loss, parts = policy_loss(
+                    logp,
+                    mb.old_logp,
+                    mb.ref_logp,
+                    mb.advantages,
+                    mb.rollout.completion_mask,
+                    loss_type=a.loss_type,
+                    beta=a.beta,
+                    kl_estimator=a.kl_estimator,
+                    epsilon_low=a.epsilon_low,
+                    epsilon_high=a.epsilon_high,
+                    delta=a.delta,
+                    importance_sampling_level=a.importance_sampling_level,
+                    max_completion_length=r.max_new_tokens,
+                    entropy=entropy if a.entropy_coef else entropy.detach(),
+                    entropy_coef=a.entropy_coef,
+                    sampling_logp=mb.rollout.sampling_logp,
+                    importance_sampling_cap=a.importance_sampling_cap,
+                    num_sequences=num_sequences,
+                    num_tokens=num_tokens,
+                )
+                loss.backward()
+                tokens = mb.rollout.completion_mask.sum().item()
+                weight_sum += tokens
+                for name, value in {
+                    "loss": loss.detach() * num_tokens / max(tokens, 1),
+                    **parts,
+                }.items():
+                    totals[name] = totals.get(name, 0.0) + float(value) * tokens
+            if t.max_grad_norm > 0:
+                params = [p for p in model.parameters() if p.grad is not None]
+                if params:
+                    grad_norms.append(
+                        float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm))
+                    )
+            optimizer.step()
+            scheduler.step()
+    times["time/update"] = time.perf_counter() - clock
+    out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {}
+    if grad_norms:
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["active_rows_frac"] = (
+        sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
+    )
+    return out
+
+
+def _micro_batches(sub: Rollout, advantages, active, token_budget: int) -> list[MicroBatch]:
+    index = active.nonzero().squeeze(-1)
+    if index.numel() == 0:
+        return []
+    chosen = sub.rows(index)
+    plan = plan_micro_batches(
+        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget
+    )
+    return [MicroBatch(trim_padding(chosen.rows(rows)), advantages[index][rows]) for rows in plan]

@@ -1,0 +1,80 @@
+"""Step metrics: a JSONL file in the run folder and a progress bar with ETA and key numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+BAR_KEYS = (
+    ("reward", "reward/mean"),
+    ("acc", "accuracy"),
+    ("kl", "kl"),
+    ("len", "completion/mean_length"),
+    ("s/step", "time/step"),
+)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident memory
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, show_progress: bool):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._keep_until(start_step)
+        self.file = open(self.path, "a")
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            disable=not show_progress,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+
+    def _keep_until(self, step: int) -> None:
+        """On resume, steps after the checkpoint are redone: drop their stale lines."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict) -> None:
+        clean = {k: _plain(v) for k, v in record.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        if "step" in record and record.get("kind", "train") == "train":
+            self.bar.set_postfix(
+                {short: _fmt(clean[key]) for short, key in BAR_KEYS if key in clean}, refresh=False
+            )
+            self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
