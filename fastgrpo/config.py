@@ -223,7 +223,7 @@ def _unknown_key(key: str) -> ConfigError:
         close = [tail[match[0]]] if match else []
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return ConfigError(
-        f"unknown config key '{key}'.{hint} Valid keys: `fastgrpo train --help-config`."
+        f"unknown config key '{key}'.{hint} List every key with `fastgrpo config --keys`."
     )
 
 
@@ -379,5 +379,8 @@ def _validate_batches(config: Config) -> None:
             f"(rollout.prompts_per_step={config.rollout.prompts_per_step} x "
             f"rollout.num_generations={config.rollout.num_generations}); choose a divisor of {rows}."
         )
-    if config.algo.loss_type == "dr_grpo" and config.rollout.max_new_tokens < 1:
-        raise ConfigError("dr_grpo divides by rollout.max_new_tokens; it must be >= 1.")
+    if config.algo.loss_type == "cispo" and config.algo.epsilon_high is None:
+        raise ConfigError(
+            "algo.loss_type=cispo caps the importance weight at algo.epsilon_high itself (as TRL does); "
+            "set it, e.g. --set algo.epsilon_high=5.0"
+        )

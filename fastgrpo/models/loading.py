@@ -178,6 +178,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    partial.chmod(0o755)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     if target.exists():  # another process finished first

@@ -68,6 +68,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     partial = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.", dir=root))
+    partial.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
     model.save_pretrained(partial / "model")
     tokenizer.save_pretrained(partial / "model")
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, partial / STATE_FILE)

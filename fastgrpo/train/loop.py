@@ -468,7 +468,7 @@ def update_policy(
             optimizer.step()
             scheduler.step()
     times["time/update"] = time.perf_counter() - clock
-    out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {}
+    out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {"loss": 0.0}
     if grad_norms:
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["active_rows_frac"] = (

