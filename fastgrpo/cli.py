@@ -183,24 +183,18 @@ def run_train(args) -> int:
 
 
 def run_eval(args) -> int:
-    from fastgrpo.models import load_model, stop_token_ids
+    from fastgrpo.models import stop_token_ids
     from fastgrpo.rewards import RewardSet
     from fastgrpo.train.checkpoint import latest_checkpoint
     from fastgrpo.train.evaluate import evaluate
-    from fastgrpo.train.loop import build_task_data
+    from fastgrpo.train.loop import build_task_data, load_configured_model
 
     config = _load(args)
     name = args.model or config.model.name
     run_checkpoint = latest_checkpoint(name) if Path(name).is_dir() else None
     if run_checkpoint is not None:  # a run folder: its newest checkpoint
         name = str(run_checkpoint / "model")
-    model, tokenizer, source = load_model(
-        name,
-        dtype=config.model.dtype,
-        device=config.model.device,
-        revision=config.model.revision,
-        trust_remote_code=config.model.trust_remote_code,
-    )
+    model, tokenizer, source = load_configured_model(config, name)
     task = build_task_data(config)
     examples = (task.eval if args.split == "eval" else task.train)[
         : args.num or config.eval.num_problems

@@ -17,7 +17,9 @@ DEFAULT_CHUNK_ROWS = 1024
 
 def _chunk_logprob(hidden, weight, targets, temperature: float, with_entropy: bool):
     logits = hidden @ weight.t()  # (n, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # fp32 at least
+    logits = (
+        logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    )  # fp32 at least
     log_z = torch.logsumexp(logits, dim=-1)  # (n,)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z  # (n,)
     if not with_entropy:

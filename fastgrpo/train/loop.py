@@ -1,11 +1,9 @@
 """The GRPO training loop, top to bottom: the one place that knows every phase of a step.
 
-    prompts -> G completions each -> rewards -> advantages -> reference / old log-probs
-      -> K inner epochs x mini-batches x token-budget micro-batches (accumulate, clip, AdamW step)
-      -> metrics, checkpoint
+prompts -> G completions each -> rewards -> advantages -> reference / old log-probs
+  -> K inner epochs x mini-batches x token-budget micro-batches (accumulate, clip, AdamW step)
+  -> metrics, checkpoint
 
-Rows whose gradient is exactly zero (zero advantage, no KL, no entropy bonus) are not run through
-the update at all; they still count in the loss normalisers, so the update is unchanged.
 """
 
 from __future__ import annotations
@@ -19,13 +17,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from fastgrpo.algo import group_advantages, policy_loss, zero_std_fraction
+from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError, config_from_dict, validate
 from fastgrpo.data import PromptSampler, TaskData, build_task, render_prompt
 from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.rewards import RewardSet, math_accuracy
-from fastgrpo.rollout import Rollout, generate_rollout
-from fastgrpo.train.batching import plan_micro_batches
+from fastgrpo.rollout import generate_rollout
 from fastgrpo.train.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
@@ -33,9 +30,9 @@ from fastgrpo.train.checkpoint import (
     set_rng_state,
 )
 from fastgrpo.train.evaluate import decode_completions, evaluate, reward_columns
-from fastgrpo.train.logprobs import completion_logprobs, trim_padding
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
 from fastgrpo.train.optim import build_optimizer, build_scheduler
+from fastgrpo.train.update import update_policy
 
 log = logging.getLogger("fastgrpo.train")
 
@@ -48,14 +45,6 @@ class TrainResult:
     eval_after: dict | None = None
     history: list[dict] = field(default_factory=list)
     interrupted: bool = False
-
-
-@dataclass
-class MicroBatch:
-    rollout: Rollout  # trimmed rows
-    advantages: torch.Tensor  # (b,)
-    ref_logp: torch.Tensor | None = None  # (b, Tc)
-    old_logp: torch.Tensor | None = None  # (b, Tc)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -82,6 +71,18 @@ def build_task_data(config: Config) -> TaskData:
             operations=t.operations,
         )
     return build_task(t.name, **{k: v for k, v in options.items() if v is not None})
+
+
+def load_configured_model(config: Config, name: str | None = None):
+    """(model, tokenizer, source) for `name` (default: model.name) with the config's model settings."""
+    m = config.model
+    return load_model(
+        name or m.name,
+        dtype=m.dtype,
+        device=m.device,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+    )
 
 
 def prepare_run_dir(config: Config, resume: bool) -> Path:
@@ -122,25 +123,13 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     rewards = RewardSet.from_specs(config.rewards)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
-    model, tokenizer, _ = load_model(
-        model_name,
-        dtype=config.model.dtype,
-        device=config.model.device,
-        revision=config.model.revision,
-        trust_remote_code=config.model.trust_remote_code,
-    )
+    model, tokenizer, _ = load_configured_model(config, model_name)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = True
     ref_model = None
     if config.algo.beta != 0:
-        ref_model, _, _ = load_model(
-            config.model.name,
-            dtype=config.model.dtype,
-            device=config.model.device,
-            revision=config.model.revision,
-            trust_remote_code=config.model.trust_remote_code,
-        )
+        ref_model, _, _ = load_configured_model(config)
         ref_model.requires_grad_(False).eval()
     stop_ids = stop_token_ids(tokenizer, model)
     sampler = PromptSampler(
@@ -349,9 +338,7 @@ def grpo_step(
     )  # (B,)
     lap("reward")
 
-    if (
-        a.mask_truncated_completions
-    ):  # truncated answers teach nothing reliable: drop them from the loss
+    if a.mask_truncated_completions:  # a cut-off answer teaches nothing reliable: leave it out
         rollout.completion_mask = rollout.completion_mask * rollout.finished.unsqueeze(1)
     update_metrics = update_policy(
         config, model, ref_model, optimizer, scheduler, rollout, advantages, times
@@ -378,111 +365,3 @@ def grpo_step(
     record["tokens_per_s"] = lengths.sum().item() / step_time
     record["peak_memory_gib"] = peak_memory_gib(model.device)
     return record
-
-
-def update_policy(
-    config: Config, model, ref_model, optimizer, scheduler, rollout: Rollout, advantages, times
-) -> dict:
-    """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics."""
-    a, t, r = config.algo, config.train, config.rollout
-    rows = advantages.shape[0]
-    per_mini = rows // t.mini_batches
-    zero_grad_possible = a.beta == 0 and a.entropy_coef == 0
-    needs_old = t.num_iterations > 1 or t.mini_batches > 1
-    minis = []
-    clock = time.perf_counter()
-    for m in range(t.mini_batches):
-        index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
-        sub = rollout.rows(index)
-        num_tokens = sub.completion_mask.sum().clamp(min=1)
-        active = (advantages[index] != 0) | (
-            not zero_grad_possible
-        )  # rows that can move the weights
-        micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
-        minis.append((micro, per_mini, num_tokens))
-    with torch.no_grad():
-        for micro, _, _ in minis:
-            for mb in micro:
-                if ref_model is not None:
-                    mb.ref_logp, _ = completion_logprobs(
-                        ref_model, mb.rollout, temperature=r.temperature
-                    )
-    times["time/reference"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    if needs_old:
-        with torch.no_grad():
-            for micro, _, _ in minis:
-                for mb in micro:
-                    mb.old_logp, _ = completion_logprobs(
-                        model, mb.rollout, temperature=r.temperature
-                    )
-    times["time/old_logprobs"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    totals: dict[str, float] = {}
-    weight_sum = 0.0
-    grad_norms = []
-    model.train()
-    for _ in range(t.num_iterations):
-        for micro, num_sequences, num_tokens in minis:
-            optimizer.zero_grad(set_to_none=True)
-            for mb in micro:
-                logp, entropy = completion_logprobs(
-                    model, mb.rollout, temperature=r.temperature, with_entropy=True
-                )
-                loss, parts = policy_loss(
-                    logp,
-                    mb.old_logp,
-                    mb.ref_logp,
-                    mb.advantages,
-                    mb.rollout.completion_mask,
-                    loss_type=a.loss_type,
-                    beta=a.beta,
-                    kl_estimator=a.kl_estimator,
-                    epsilon_low=a.epsilon_low,
-                    epsilon_high=a.epsilon_high,
-                    delta=a.delta,
-                    importance_sampling_level=a.importance_sampling_level,
-                    max_completion_length=r.max_new_tokens,
-                    entropy=entropy if a.entropy_coef else entropy.detach(),
-                    entropy_coef=a.entropy_coef,
-                    sampling_logp=mb.rollout.sampling_logp,
-                    importance_sampling_cap=a.importance_sampling_cap,
-                    num_sequences=num_sequences,
-                    num_tokens=num_tokens,
-                )
-                loss.backward()
-                tokens = mb.rollout.completion_mask.sum().item()
-                weight_sum += tokens
-                for name, value in {
-                    "loss": loss.detach() * num_tokens / max(tokens, 1),
-                    **parts,
-                }.items():
-                    totals[name] = totals.get(name, 0.0) + float(value) * tokens
-            if t.max_grad_norm > 0:
-                params = [p for p in model.parameters() if p.grad is not None]
-                if params:
-                    grad_norms.append(
-                        float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm))
-                    )
-            optimizer.step()
-            scheduler.step()
-    times["time/update"] = time.perf_counter() - clock
-    out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {"loss": 0.0}
-    if grad_norms:
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["active_rows_frac"] = (
-        sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
-    )
-    return out
-
-
-def _micro_batches(sub: Rollout, advantages, active, token_budget: int) -> list[MicroBatch]:
-    index = active.nonzero().squeeze(-1)
-    if index.numel() == 0:
-        return []
-    chosen = sub.rows(index)
-    plan = plan_micro_batches(
-        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget
-    )
-    return [MicroBatch(trim_padding(chosen.rows(rows)), advantages[index][rows]) for rows in plan]

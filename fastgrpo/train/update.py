@@ -1,0 +1,147 @@
+"""The update phase of a GRPO step: K inner epochs x mini-batches x token-budget micro-batches.
+
+Reference and old log-probs are computed once per rollout, on the same micro-batches the update
+uses, so the first inner step sees a ratio of exactly 1. Rows whose gradient is exactly zero (zero
+advantage, no KL, no entropy bonus) are not run through the model at all; they still count in the
+loss normalisers, so the update is the one the whole batch would give.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.algo import policy_loss
+from fastgrpo.config import Config
+from fastgrpo.rollout import Rollout
+from fastgrpo.train.batching import plan_micro_batches
+from fastgrpo.train.logprobs import completion_logprobs, trim_padding
+
+
+@dataclass
+class MicroBatch:
+    rollout: Rollout  # trimmed rows
+    advantages: torch.Tensor  # (b,)
+    ref_logp: torch.Tensor | None = None  # (b, Tc)
+    old_logp: torch.Tensor | None = None  # (b, Tc)
+
+
+def loss_settings(config: Config) -> dict:
+    """The keyword settings of `policy_loss` that come straight from the config."""
+    a = config.algo
+    return dict(
+        loss_type=a.loss_type,
+        beta=a.beta,
+        kl_estimator=a.kl_estimator,
+        epsilon_low=a.epsilon_low,
+        epsilon_high=a.epsilon_high,
+        delta=a.delta,
+        importance_sampling_level=a.importance_sampling_level,
+        max_completion_length=config.rollout.max_new_tokens,
+        entropy_coef=a.entropy_coef,
+        importance_sampling_cap=a.importance_sampling_cap,
+    )
+
+
+def update_policy(
+    config: Config, model, ref_model, optimizer, scheduler, rollout: Rollout, advantages, times
+) -> dict:
+    """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics."""
+    a, t, r = config.algo, config.train, config.rollout
+    rows = advantages.shape[0]
+    per_mini = rows // t.mini_batches
+    settings = loss_settings(config)
+    zero_grad_possible = a.beta == 0 and a.entropy_coef == 0
+    needs_old = t.num_iterations > 1 or t.mini_batches > 1
+    minis = []
+    clock = time.perf_counter()
+    for m in range(t.mini_batches):
+        index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
+        sub = rollout.rows(index)
+        num_tokens = sub.completion_mask.sum().clamp(min=1)
+        active = (advantages[index] != 0) | (not zero_grad_possible)  # rows that move the weights
+        micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
+        minis.append((micro, per_mini, num_tokens))
+    with torch.no_grad():
+        for micro, _, _ in minis:
+            for mb in micro:
+                if ref_model is not None:
+                    mb.ref_logp, _ = completion_logprobs(
+                        ref_model, mb.rollout, temperature=r.temperature
+                    )
+    times["time/reference"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    if needs_old:
+        with torch.no_grad():
+            for micro, _, _ in minis:
+                for mb in micro:
+                    mb.old_logp, _ = completion_logprobs(
+                        model, mb.rollout, temperature=r.temperature
+                    )
+    times["time/old_logprobs"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    totals: dict[str, float] = {}
+    weight_sum = 0.0
+    grad_norms = []
+    model.train()
+    for _ in range(t.num_iterations):
+        for micro, num_sequences, num_tokens in minis:
+            optimizer.zero_grad(set_to_none=True)
+            for mb in micro:
+                logp, entropy = completion_logprobs(
+                    model, mb.rollout, temperature=r.temperature, with_entropy=True
+                )
+                loss, parts = policy_loss(
+                    logp,
+                    mb.old_logp,
+                    mb.ref_logp,
+                    mb.advantages,
+                    mb.rollout.completion_mask,
+                    entropy=entropy if a.entropy_coef else entropy.detach(),
+                    sampling_logp=mb.rollout.sampling_logp,
+                    num_sequences=num_sequences,
+                    num_tokens=num_tokens,
+                    **settings,
+                )
+                loss.backward()
+                tokens = mb.rollout.completion_mask.sum().item()
+                weight_sum += tokens
+                for name, value in {
+                    "loss": loss.detach() * num_tokens / max(tokens, 1),
+                    **parts,
+                }.items():
+                    totals[name] = totals.get(name, 0.0) + float(value) * tokens
+            if t.max_grad_norm > 0:
+                params = [p for p in model.parameters() if p.grad is not None]
+                if params:
+                    grad_norms.append(
+                        float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm))
+                    )
+            optimizer.step()
+            scheduler.step()
+    times["time/update"] = time.perf_counter() - clock
+    out = (
+        {name: value / weight_sum for name, value in totals.items()}
+        if weight_sum
+        else {"loss": 0.0}
+    )
+    if grad_norms:
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["active_rows_frac"] = (
+        sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
+    )
+    return out
+
+
+def _micro_batches(sub: Rollout, advantages, active, token_budget: int) -> list[MicroBatch]:
+    index = active.nonzero().squeeze(-1)
+    if index.numel() == 0:
+        return []
+    chosen = sub.rows(index)
+    plan = plan_micro_batches(
+        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget
+    )
+    return [MicroBatch(trim_padding(chosen.rows(rows)), advantages[index][rows]) for rows in plan]
