@@ -267,6 +267,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `5e-5` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

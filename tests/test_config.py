@@ -28,6 +28,10 @@ def test_overrides_are_read_as_yaml_values_and_win_over_the_file(tmp_path):
     assert load_config(preset).algo.beta == 0.1
 
 
+def test_exponent_without_a_dot_is_a_float_not_a_string():
+    assert load_config(None, ["train.learning_rate=5e-5"]).train.learning_rate == 5e-5
+
+
 def test_unknown_key_in_a_file_suggests_the_nearest_valid_key(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("rollout:\n  num_generation: 4\n")
