@@ -212,6 +212,8 @@ def run_eval(args) -> int:
         or config.eval.max_new_tokens
         or config.rollout.max_new_tokens,
         batch_size=config.eval.batch_size,
+        top_k=args.top_k,
+        top_p=args.top_p,
         seed=config.train.seed,
         samples=samples,
     )

@@ -85,7 +85,8 @@ def load_configured_model(config: Config, name: str | None = None):
     )
 
 
-def prepare_run_dir(config: Config, resume: bool) -> Path:
+def check_run_dir(config: Config, resume: bool) -> Path:
+    """The run folder, after making sure a new run would not overwrite an old one."""
     run_dir = Path(config.run.output_dir)
     if resume:
         if latest_checkpoint(run_dir) is None:
@@ -95,9 +96,12 @@ def prepare_run_dir(config: Config, resume: bool) -> Path:
             f"{run_dir} already holds a run. Continue it with `fastgrpo train --resume {run_dir}`, "
             f"or start a new one elsewhere with --set run.output_dir=runs/NEW."
         )
+    return run_dir
+
+
+def write_run_config(run_dir: Path, config: Config) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    return run_dir
 
 
 def load_resume_config(run_dir: str | Path, overrides: dict | None = None) -> Config:
@@ -117,7 +121,7 @@ def load_resume_config(run_dir: str | Path, overrides: dict | None = None) -> Co
 
 def train(config: Config, *, resume: bool = False) -> TrainResult:
     """Run GRPO training as configured; `resume` continues the run in `config.run.output_dir`."""
-    run_dir = prepare_run_dir(config, resume)
+    run_dir = check_run_dir(config, resume)
     torch.manual_seed(config.train.seed)
     task = build_task_data(config)
     rewards = RewardSet.from_specs(config.rewards)
@@ -157,6 +161,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         set_rng_state(state["rng"])
         step = state["step"]
 
+    write_run_config(run_dir, config)  # only now: bad settings above leave no trace behind
     result = TrainResult(run_dir=run_dir, steps=step)
     metrics = MetricsLog(
         run_dir, total_steps=config.train.steps, start_step=step, show_progress=config.run.progress

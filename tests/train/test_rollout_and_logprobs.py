@@ -41,7 +41,9 @@ def test_lm_head_logprob_ref_matches_float64_log_softmax(temperature, rows):
     hidden = torch.randn(rows, 24, dtype=torch.float64)
     weight = torch.randn(151, 24, dtype=torch.float64)  # odd vocabulary size
     targets = torch.randint(0, 151, (rows,))
-    logp, entropy = lm_head_logprob_ref(hidden.float(), weight.float(), targets, temperature, with_entropy=True, chunk_rows=2)
+    logp, entropy = lm_head_logprob_ref(
+        hidden.float(), weight.float(), targets, temperature, with_entropy=True, chunk_rows=2
+    )
     logits = hidden @ weight.t() / temperature
     want = torch.log_softmax(logits, -1)
     assert torch.allclose(logp.double(), want.gather(-1, targets[:, None]).squeeze(-1), atol=1e-5)
@@ -65,10 +67,19 @@ def test_lm_head_logprob_ref_gradient_matches_float64_autograd():
 
 def _rollout(model, tokenizer, temperature=1.0, with_sampling_logp=False, max_new_tokens=12):
     torch.manual_seed(1)
-    prompts = ["<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"]
+    prompts = [
+        "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    ]
     return generate_rollout(
-        model, tokenizer, prompts, num_generations=3, max_new_tokens=max_new_tokens,
-        stop_ids=stop_token_ids(tokenizer, model), temperature=temperature, with_sampling_logp=with_sampling_logp,
+        model,
+        tokenizer,
+        prompts,
+        num_generations=3,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_token_ids(tokenizer, model),
+        temperature=temperature,
+        with_sampling_logp=with_sampling_logp,
     )
 
 
@@ -122,4 +133,4 @@ def test_extra_padding_does_not_change_completion_logprobs(tiny_model):
         base, _ = completion_logprobs(model, rollout)
         more, _ = completion_logprobs(model, padded)
     assert torch.allclose(base, more[:, : base.shape[1]], atol=1e-5)
-    assert (more[:, base.shape[1]:] == 0).all()
+    assert (more[:, base.shape[1] :] == 0).all()

@@ -35,10 +35,20 @@ def digit_share(prompts, completions, **kwargs):
 
 def tiny_overrides(model_dir, run_dir, steps=3, **extra) -> list[str]:
     settings = {
-        "model.name": model_dir, "model.device": "cpu", "run.output_dir": str(run_dir), "run.progress": False,
-        "train.steps": steps, "train.learning_rate": 1e-3, "rollout.prompts_per_step": 2,
-        "rollout.num_generations": 4, "rollout.max_new_tokens": 6, "rollout.temperature": 1.0,
-        "eval.num_problems": 4, "eval.before": False, "eval.after": False, "task.num_eval": 8,
+        "model.name": model_dir,
+        "model.device": "cpu",
+        "run.output_dir": str(run_dir),
+        "run.progress": False,
+        "train.steps": steps,
+        "train.learning_rate": 1e-3,
+        "rollout.prompts_per_step": 2,
+        "rollout.num_generations": 4,
+        "rollout.max_new_tokens": 6,
+        "rollout.temperature": 1.0,
+        "eval.num_problems": 4,
+        "eval.before": False,
+        "eval.after": False,
+        "task.num_eval": 8,
         "rewards": "[math_accuracy, answer_format]",
         **extra,
     }
@@ -49,19 +59,25 @@ def weights(checkpoint) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "model" / "model.safetensors"))
 
 
-def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(tiny_model_dir, tmp_path, capsys):
+def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(
+    tiny_model_dir, tmp_path, capsys
+):
     preset = tmp_path / "tiny.yaml"
-    preset.write_text(textwrap.dedent("""\
+    preset.write_text(
+        textwrap.dedent("""\
         # fastgrpo train tiny.yaml
         algo:
           beta: 0.04
         train:
           num_iterations: 2
           mini_batches: 2
-    """))
+    """)
+    )
     run_dir = tmp_path / "run"
     args = ["train", str(preset)]
-    for item in tiny_overrides(tiny_model_dir, run_dir, steps=2, **{"eval.before": True, "eval.after": True}):
+    for item in tiny_overrides(
+        tiny_model_dir, run_dir, steps=2, **{"eval.before": True, "eval.after": True}
+    ):
         args += ["--set", item]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -71,9 +87,20 @@ def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(tiny_m
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("kind", "train") == "train"]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("reward/mean", "rewards/answer_format", "accuracy", "kl", "clip_ratio/region_mean", "entropy",
-                "completion/mean_length", "frac_zero_std_groups", "time/rollout", "time/update", "tokens_per_s",
-                "peak_memory_gib"):
+    for key in (
+        "reward/mean",
+        "rewards/answer_format",
+        "accuracy",
+        "kl",
+        "clip_ratio/region_mean",
+        "entropy",
+        "completion/mean_length",
+        "frac_zero_std_groups",
+        "time/rollout",
+        "time/update",
+        "tokens_per_s",
+        "peak_memory_gib",
+    ):
         assert key in steps[0], key
     assert steps[0]["kl"] >= 0
     assert [r["when"] for r in records if r.get("kind") == "eval"] == ["before", "after"]
@@ -85,15 +112,34 @@ def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(tiny_m
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
     assert reloaded.config.num_hidden_layers == 2
 
-    assert main(["eval", str(preset), "--model", str(run_dir), "--num", "3",
-                 *sum((["--set", s] for s in tiny_overrides(tiny_model_dir, run_dir)), [])]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(preset),
+                "--model",
+                str(run_dir),
+                "--num",
+                "3",
+                *sum((["--set", s] for s in tiny_overrides(tiny_model_dir, run_dir)), []),
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_problems"] == 3 and 0.0 <= result["accuracy"] <= 1.0
 
 
-def test_training_changes_the_weights_and_a_new_run_refuses_an_existing_run_folder(tiny_model_dir, tmp_path):
+def test_training_changes_the_weights_and_a_new_run_refuses_an_existing_run_folder(
+    tiny_model_dir, tmp_path
+):
     run_dir = tmp_path / "run"
-    result = run_training(None, overrides=tiny_overrides(tiny_model_dir, run_dir, steps=1, **{"rewards": "[answer_format]", "task.min_value": 0}))
+    result = run_training(
+        None,
+        overrides=tiny_overrides(
+            tiny_model_dir, run_dir, steps=1, **{"rewards": "[answer_format]", "task.min_value": 0}
+        ),
+    )
     assert result.steps == 1
     before = weights(latest_checkpoint(run_dir))
     with pytest.raises(ConfigError, match="--resume"):
@@ -101,17 +147,27 @@ def test_training_changes_the_weights_and_a_new_run_refuses_an_existing_run_fold
     assert all(torch.equal(before[k], v) for k, v in weights(latest_checkpoint(run_dir)).items())
 
 
-def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     reward_file = tmp_path / "interrupting.py"
     reward_file.write_text(INTERRUPTING_REWARD)
-    rewards = (f"[math_accuracy, '{reward_file}:digit_share', "
-               f"{{function: '{reward_file}:interrupt_after', weight: 0.0}}]")
+    rewards = (
+        f"[math_accuracy, '{reward_file}:digit_share', "
+        f"{{function: '{reward_file}:interrupt_after', weight: 0.0}}]"
+    )
     common = {"rewards": rewards, "train.lr_scheduler": "cosine", "train.warmup_steps": 1}
 
-    straight = run_training(None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "a", steps=3, **common))
+    straight = run_training(
+        None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "a", steps=3, **common)
+    )
 
-    monkeypatch.setenv("INTERRUPT_AT", "2")  # Ctrl-C arrives during step 2 (calls restart at 1 per load)
-    stopped = run_training(None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "b", steps=3, **common))
+    monkeypatch.setenv(
+        "INTERRUPT_AT", "2"
+    )  # Ctrl-C arrives during step 2 (calls restart at 1 per load)
+    stopped = run_training(
+        None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "b", steps=3, **common)
+    )
     assert stopped.interrupted and stopped.steps == 2
     assert latest_checkpoint(tmp_path / "b").name == "step_000002"
     monkeypatch.delenv("INTERRUPT_AT")
@@ -121,7 +177,10 @@ def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(ti
     want, got = straight.history[2], resumed.history[0]
     for key in ("reward/mean", "loss", "grad_norm", "completion/mean_length", "lr", "entropy"):
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    final_a, final_b = weights(latest_checkpoint(tmp_path / "a")), weights(latest_checkpoint(tmp_path / "b"))
+    final_a, final_b = (
+        weights(latest_checkpoint(tmp_path / "a")),
+        weights(latest_checkpoint(tmp_path / "b")),
+    )
     for name, value in final_a.items():
         assert torch.allclose(final_b[name], value, atol=1e-6), name
     lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
@@ -133,8 +192,16 @@ def test_micro_batch_token_budget_does_not_change_the_update(tiny_model_dir, tmp
     reward_file.write_text(INTERRUPTING_REWARD)
     finals = []
     for budget, name in ((100000, "one"), (40, "many")):
-        overrides = tiny_overrides(tiny_model_dir, tmp_path / name, steps=1, **{"train.micro_batch_tokens": budget,
-                                   "rewards": f"['{reward_file}:digit_share']", "algo.beta": 0.1})
+        overrides = tiny_overrides(
+            tiny_model_dir,
+            tmp_path / name,
+            steps=1,
+            **{
+                "train.micro_batch_tokens": budget,
+                "rewards": f"['{reward_file}:digit_share']",
+                "algo.beta": 0.1,
+            },
+        )
         result = run_training(None, overrides=overrides)
         finals.append((result.history[0], weights(latest_checkpoint(tmp_path / name))))
     (metrics_one, w_one), (metrics_many, w_many) = finals

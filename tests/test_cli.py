@@ -1,0 +1,93 @@
+"""The `fastgrpo` command: help text and clean, actionable errors (exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fastgrpo.cli import main
+
+
+def test_help_explains_every_command(capsys):
+    assert main([]) == 0
+    text = capsys.readouterr().out
+    for command in ("train", "eval", "config"):
+        assert command in text
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    assert "--resume" in capsys.readouterr().out
+
+
+def test_console_script_module_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "fastgrpo", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.startswith("fastgrpo ")
+
+
+def _error_of(args, capsys) -> str:
+    assert main(args) == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_config_key_suggests_the_nearest(capsys):
+    err = _error_of(["config", "--set", "rollout.temprature=0.5"], capsys)
+    assert "Did you mean 'rollout.temperature'" in err
+
+
+def test_missing_dataset_file_is_named(tmp_path, tiny_model_dir, capsys):
+    err = _error_of(
+        [
+            "eval",
+            "--set",
+            "task.name=jsonl",
+            "--set",
+            f"task.path={tmp_path / 'nope.jsonl'}",
+            "--model",
+            tiny_model_dir,
+        ],
+        capsys,
+    )
+    assert "nope.jsonl" in err
+
+
+def test_malformed_jsonl_line_is_reported_as_file_and_line(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        '{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": "4"}\n{"prompt": oops}\n'
+    )
+    err = _error_of(
+        [
+            "eval",
+            "--set",
+            "task.name=jsonl",
+            "--set",
+            f"task.path={data}",
+            "--model",
+            tiny_model_dir,
+        ],
+        capsys,
+    )
+    assert "data.jsonl:3" in err
+
+
+def test_unknown_model_is_refused_before_any_work(tmp_path, capsys):
+    err = _error_of(
+        ["train", "--set", "model.name=not a model", "--set", f"run.output_dir={tmp_path / 'run'}"],
+        capsys,
+    )
+    assert "unknown model" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_of_a_folder_without_checkpoints_is_refused(tmp_path, capsys):
+    err = _error_of(["train", "--resume", str(tmp_path)], capsys)
+    assert "config.yaml" in err or "no checkpoint" in err
+
+
+def test_config_prints_resolved_yaml(capsys):
+    assert main(["config", "--set", "algo.beta=0.04"]) == 0
+    assert "beta: 0.04" in capsys.readouterr().out
