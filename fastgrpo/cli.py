@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, help="0 for greedy (default: eval.temperature)"
     )
     evaluate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)"
+    )
+    evaluate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    evaluate.add_argument(
         "--max-new-tokens", type=int, help="default: eval.max_new_tokens or rollout.max_new_tokens"
     )
     evaluate.add_argument(
