@@ -91,3 +91,15 @@ def test_resume_of_a_folder_without_checkpoints_is_refused(tmp_path, capsys):
 def test_config_prints_resolved_yaml(capsys):
     assert main(["config", "--set", "algo.beta=0.04"]) == 0
     assert "beta: 0.04" in capsys.readouterr().out
+
+
+def test_unknown_reward_and_impossible_task_knobs_are_config_errors(tmp_path, capsys):
+    err = _error_of(
+        ["train", "--set", "rewards=[math_acuracy]", "--set", f"run.output_dir={tmp_path / 'a'}"],
+        capsys,
+    )
+    assert "math_accuracy" in err
+    err = _error_of(
+        ["train", "--set", "task.max_value=2", "--set", f"run.output_dir={tmp_path / 'b'}"], capsys
+    )
+    assert "task:" in err and "max_value" in err

@@ -19,7 +19,7 @@ import yaml
 
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError, config_from_dict, validate
-from fastgrpo.data import PromptSampler, TaskData, build_task, render_prompt
+from fastgrpo.data import DatasetError, PromptSampler, TaskData, build_task, render_prompt
 from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.rewards import RewardSet, math_accuracy
 from fastgrpo.rollout import generate_rollout
@@ -70,7 +70,19 @@ def build_task_data(config: Config) -> TaskData:
             num_operands=t.num_operands,
             operations=t.operations,
         )
-    return build_task(t.name, **{k: v for k, v in options.items() if v is not None})
+    try:
+        return build_task(t.name, **{k: v for k, v in options.items() if v is not None})
+    except DatasetError:
+        raise
+    except ValueError as error:  # a knob the task refuses: say which section it belongs to
+        raise ConfigError(f"task: {error}") from error
+
+
+def build_rewards(config: Config) -> RewardSet:
+    try:
+        return RewardSet.from_specs(config.rewards)
+    except ValueError as error:
+        raise ConfigError(f"rewards: {error}") from error
 
 
 def load_configured_model(config: Config, name: str | None = None):
@@ -124,7 +136,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     run_dir = check_run_dir(config, resume)
     torch.manual_seed(config.train.seed)
     task = build_task_data(config)
-    rewards = RewardSet.from_specs(config.rewards)
+    rewards = build_rewards(config)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
     model, tokenizer, _ = load_configured_model(config, model_name)

@@ -224,12 +224,23 @@ def test_config_errors_name_the_problem_and_the_fix():
         load_config(None, ["algo.loss_type=grpoo"])
 
 
-def test_ratio_is_exactly_one_when_the_weights_do_not_move_between_inner_epochs(tiny_model_dir, tmp_path):
+def test_ratio_is_exactly_one_when_the_weights_do_not_move_between_inner_epochs(
+    tiny_model_dir, tmp_path
+):
     reward_file = tmp_path / "rewards.py"
     reward_file.write_text(INTERRUPTING_REWARD)
-    overrides = tiny_overrides(tiny_model_dir, tmp_path / "run", steps=2, **{
-        "train.learning_rate": 0.0, "train.num_iterations": 2, "train.mini_batches": 2,
-        "train.micro_batch_tokens": 150, "rewards": f"['{reward_file}:digit_share']"})
+    overrides = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        steps=2,
+        **{
+            "train.learning_rate": 0.0,
+            "train.num_iterations": 2,
+            "train.mini_batches": 2,
+            "train.micro_batch_tokens": 150,
+            "rewards": f"['{reward_file}:digit_share']",
+        },
+    )
     result = run_training(None, overrides=overrides)
     for record in result.history:
         assert record["active_rows_frac"] > 0
@@ -240,10 +251,25 @@ def test_ratio_is_exactly_one_when_the_weights_do_not_move_between_inner_epochs(
 GSM8K = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 
 
-@pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="GSM8K copy not beside the repository")
+@pytest.mark.skipif(
+    not (GSM8K / "test.jsonl").is_file(), reason="GSM8K copy not beside the repository"
+)
 def test_eval_reads_gsm8k_from_a_local_folder(tiny_model_dir, capsys):
-    args = ["eval", "--model", tiny_model_dir, "--num", "2", "--max-new-tokens", "4",
-            "--set", "task.name=gsm8k", "--set", f"task.path={GSM8K}", "--set", "model.device=cpu"]
+    args = [
+        "eval",
+        "--model",
+        tiny_model_dir,
+        "--num",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--set",
+        "task.name=gsm8k",
+        "--set",
+        f"task.path={GSM8K}",
+        "--set",
+        "model.device=cpu",
+    ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["task"] == "gsm8k" and result["num_problems"] == 2
