@@ -83,8 +83,9 @@ def update_policy(
     times["time/old_logprobs"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    totals: dict[str, float] = {}
+    totals: dict[str, float] = {}  # token-weighted sums of the loss's metrics
     weight_sum = 0.0
+    loss_sum = 0.0  # sum of micro-batch losses = sum of the optimizer steps' losses
     grad_norms = []
     model.train()
     for _ in range(t.num_iterations):
@@ -107,12 +108,10 @@ def update_policy(
                     **settings,
                 )
                 loss.backward()
+                loss_sum += float(loss.detach())
                 tokens = mb.rollout.completion_mask.sum().item()
                 weight_sum += tokens
-                for name, value in {
-                    "loss": loss.detach() * num_tokens / max(tokens, 1),
-                    **parts,
-                }.items():
+                for name, value in parts.items():
                     totals[name] = totals.get(name, 0.0) + float(value) * tokens
             if t.max_grad_norm > 0:
                 params = [p for p in model.parameters() if p.grad is not None]
@@ -123,11 +122,8 @@ def update_policy(
             optimizer.step()
             scheduler.step()
     times["time/update"] = time.perf_counter() - clock
-    out = (
-        {name: value / weight_sum for name, value in totals.items()}
-        if weight_sum
-        else {"loss": 0.0}
-    )
+    out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {}
+    out["loss"] = loss_sum / (t.num_iterations * t.mini_batches)  # mean over optimizer steps
     if grad_norms:
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["active_rows_frac"] = (
