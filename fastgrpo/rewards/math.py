@@ -118,7 +118,8 @@ def _clean_answer(raw: str) -> str:
 
 
 def _last_number(text: str) -> str | None:
-    """The last number written in the text, e.g. "-7" in "So x = -7."."""
+    """The last number written in the text, e.g. "-7" in "So x = -7.", "3/4" in "x = \\frac{3}{4}"."""
+    text = _LATEX_FRACTION.sub(r"\1/\2", text)
     numbers = _NUMBER_IN_TEXT.findall(text)
     return numbers[-1] if numbers else None
 

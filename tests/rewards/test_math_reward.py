@@ -206,3 +206,8 @@ def test_math_accuracy_ignores_unknown_columns():
 def test_math_accuracy_rejects_answers_of_the_wrong_length():
     with pytest.raises(ValueError, match="one reference answer per completion"):
         math_accuracy(["q", "q"], ["1", "2"], answer=["1"])
+
+
+def test_unmarked_latex_fraction_at_the_end_is_read_whole():
+    assert extract_answer("Dividing, x = \\frac{3}{4}") == "3/4"
+    assert math_accuracy(["q"], ["so each gets \\dfrac{10}{4} cups"], answer=["2.5"]) == [1.0]
