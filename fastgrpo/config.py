@@ -83,7 +83,7 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     steps: int = 30
-    learning_rate: float = 2e-5
+    learning_rate: float = 1e-5
     lr_scheduler: str = "constant"  # constant | linear | cosine
     warmup_steps: int = 0
     weight_decay: float = 0.0
