@@ -3,7 +3,6 @@
 prompts -> G completions each -> rewards -> advantages -> reference / old log-probs
   -> K inner epochs x mini-batches x token-budget micro-batches (accumulate, clip, AdamW step)
   -> metrics, checkpoint
-
 """
 
 from __future__ import annotations
@@ -116,8 +115,8 @@ def write_run_config(run_dir: Path, config: Config) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
-def load_resume_config(run_dir: str | Path, overrides: dict | None = None) -> Config:
-    """The config a run folder was started with (overrides applied on top)."""
+def load_resume_config(run_dir: str | Path) -> Config:
+    """The config a run folder was started with, pointed at that folder."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--resume: {run_dir} has no config.yaml; is it a fastgrpo run folder?")
@@ -181,6 +180,8 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     evaluate_now = _evaluator(config, model, tokenizer, task, rewards, stop_ids, metrics)
     if config.eval.before and step == 0:
         result.eval_before = evaluate_now(step, "before")
+    else:  # resumed: the evaluation before training is in the run's metrics already
+        result.eval_before = metrics.find(kind="eval", when="before")
     stop = _StopRequest()
     try:
         while step < config.train.steps and not stop.requested:

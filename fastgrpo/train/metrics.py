@@ -50,6 +50,16 @@ class MetricsLog:
         kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
+    def find(self, **match) -> dict | None:
+        """The last record written so far whose fields equal `match`."""
+        self.file.flush()
+        found = None
+        for line in self.path.read_text().splitlines():
+            record = json.loads(line)
+            if all(record.get(k) == v for k, v in match.items()):
+                found = record
+        return found
+
     def log(self, record: dict) -> None:
         clean = {k: _plain(v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")

@@ -105,10 +105,15 @@ def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(
     assert steps[0]["kl"] >= 0
     assert [r["when"] for r in records if r.get("kind") == "eval"] == ["before", "after"]
 
+    # the CLI continues the run; the accuracy before training comes from the run's metrics
+    assert main(["train", "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["steps"] == 3 and resumed["accuracy_before"] == summary["accuracy_before"]
+
     from transformers import AutoModelForCausalLM
 
     checkpoint = latest_checkpoint(run_dir)
-    assert checkpoint.name == "step_000002"
+    assert checkpoint.name == "step_000003"
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
     assert reloaded.config.num_hidden_layers == 2
 
