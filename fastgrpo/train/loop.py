@@ -46,6 +46,19 @@ class TrainResult:
     interrupted: bool = False
 
 
+@dataclass
+class Trainer:
+    """Everything a step works with, built once by `train`."""
+
+    model: object
+    ref_model: object | None  # frozen reference; None when beta == 0
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    rewards: RewardSet
+    stop_ids: list[int]
+
+
 # ----------------------------------------------------------------------------- setup
 
 
@@ -146,7 +159,6 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     if config.algo.beta != 0:
         ref_model, _, _ = load_configured_model(config)
         ref_model.requires_grad_(False).eval()
-    stop_ids = stop_token_ids(tokenizer, model)
     sampler = PromptSampler(
         len(task.train), config.rollout.prompts_per_step, seed=config.train.seed
     )
@@ -173,11 +185,14 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         step = state["step"]
 
     write_run_config(run_dir, config)  # only now: bad settings above leave no trace behind
+    trainer = Trainer(
+        model, ref_model, tokenizer, optimizer, scheduler, rewards, stop_token_ids(tokenizer, model)
+    )
     result = TrainResult(run_dir=run_dir, steps=step)
     metrics = MetricsLog(
         run_dir, total_steps=config.train.steps, start_step=step, show_progress=config.run.progress
     )
-    evaluate_now = _evaluator(config, model, tokenizer, task, rewards, stop_ids, metrics)
+    evaluate_now = _evaluator(config, trainer, task, metrics)
     if config.eval.before and step == 0:
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
@@ -186,17 +201,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     try:
         while step < config.train.steps and not stop.requested:
             examples = [task.train[i] for i in sampler.next_batch()]
-            record = grpo_step(
-                config,
-                model,
-                ref_model,
-                tokenizer,
-                optimizer,
-                scheduler,
-                examples,
-                rewards,
-                stop_ids,
-            )
+            record = grpo_step(config, trainer, examples)
             step += 1
             record["step"] = step
             metrics.log(record)
@@ -240,7 +245,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     return result
 
 
-def _evaluator(config, model, tokenizer, task, rewards, stop_ids, metrics):
+def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog):
     problems = task.eval[: config.eval.num_problems]
 
     def run(step: int, when: str) -> dict | None:
@@ -248,11 +253,11 @@ def _evaluator(config, model, tokenizer, task, rewards, stop_ids, metrics):
             return None
         start = time.perf_counter()
         scores = evaluate(
-            model,
-            tokenizer,
+            trainer.model,
+            trainer.tokenizer,
             problems,
-            rewards=rewards,
-            stop_ids=stop_ids,
+            rewards=trainer.rewards,
+            stop_ids=trainer.stop_ids,
             system_prompt=config.task.system_prompt,
             temperature=config.eval.temperature,
             max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
@@ -304,17 +309,9 @@ class _StopRequest:
 # ----------------------------------------------------------------------------- one step
 
 
-def grpo_step(
-    config: Config,
-    model,
-    ref_model,
-    tokenizer,
-    optimizer,
-    scheduler,
-    examples,
-    rewards: RewardSet,
-    stop_ids,
-) -> dict:
+def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
+    """One GRPO step on a batch of prompts; returns its metrics."""
+    model, tokenizer, rewards = trainer.model, trainer.tokenizer, trainer.rewards
     r, a = config.rollout, config.algo
     times: dict[str, float] = {}
     clock = time.perf_counter()
@@ -337,7 +334,7 @@ def grpo_step(
         texts,
         num_generations=r.num_generations,
         max_new_tokens=r.max_new_tokens,
-        stop_ids=stop_ids,
+        stop_ids=trainer.stop_ids,
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
@@ -358,9 +355,7 @@ def grpo_step(
 
     if a.mask_truncated_completions:  # a cut-off answer teaches nothing reliable: leave it out
         rollout.completion_mask = rollout.completion_mask * rollout.finished.unsqueeze(1)
-    update_metrics = update_policy(
-        config, model, ref_model, optimizer, scheduler, rollout, advantages, times
-    )
+    update_metrics = update_policy(config, trainer, rollout, advantages, times)
 
     lengths = rollout.lengths
     record = {
@@ -375,7 +370,7 @@ def grpo_step(
         "completion/max_length": lengths.max().item(),
         "completion/truncated_frac": (~rollout.finished).float().mean().item(),
         **update_metrics,
-        "lr": scheduler.get_last_lr()[0],
+        "lr": trainer.scheduler.get_last_lr()[0],
         **times,
     }
     step_time = time.perf_counter() - step_start

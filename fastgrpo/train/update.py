@@ -45,11 +45,15 @@ def loss_settings(config: Config) -> dict:
     )
 
 
-def update_policy(
-    config: Config, model, ref_model, optimizer, scheduler, rollout: Rollout, advantages, times
-) -> dict:
+def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) -> dict:
     """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics."""
     a, t, r = config.algo, config.train, config.rollout
+    model, ref_model, optimizer, scheduler = (
+        trainer.model,
+        trainer.ref_model,
+        trainer.optimizer,
+        trainer.scheduler,
+    )
     rows = advantages.shape[0]
     per_mini = rows // t.mini_batches
     settings = loss_settings(config)
