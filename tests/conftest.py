@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import string
 
 import pytest
 import torch
+
+# Triton kernels run in its interpreter on machines without a GPU; the switch is read when a kernel
+# is defined, so it must be set before any fastgrpo module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

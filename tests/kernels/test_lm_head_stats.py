@@ -1,0 +1,68 @@
+"""The Triton LM-head statistics kernel against the float64 reference (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastgrpo.kernels import lm_head_stats as ops
+
+ON_GPU = torch.cuda.is_available()
+OLD_INTERPRETER = ops.triton is not None and tuple(
+    int(x) for x in ops.triton.__version__.split(".")[:2]
+) < (3, 7)
+pytestmark = [
+    pytest.mark.skipif(ops.triton is None, reason="needs triton"),
+    # before 3.7 the interpreter cannot read scalar kernel arguments under numpy >= 2.4
+    pytest.mark.skipif(
+        not ON_GPU and OLD_INTERPRETER, reason="triton interpreter too old for numpy 2"
+    ),
+]
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _inputs(n, h, v, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=gen) * 2).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) / h**0.25).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[0] = v - 1  # the last (tail-masked) vocabulary column
+    return hidden.to(DEVICE), weight.to(DEVICE), targets.to(DEVICE)
+
+
+@pytest.mark.parametrize("n, h, v", [(1, 16, 151), (37, 48, 151), (20, 32, 1000)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stats_kernel_matches_float64_reference(n, h, v, temperature, dtype):
+    hidden, weight, targets = _inputs(n, h, v, dtype, seed=n + v)
+    logp, entropy, lse = ops.lm_head_stats_triton(hidden, weight, targets, temperature)
+    want_logp, want_entropy, want_lse = ops.lm_head_stats_ref(
+        hidden.double(), weight.double(), targets, temperature
+    )
+    assert (logp.double() - want_logp).abs().max() <= 1e-4
+    assert (entropy.double() - want_entropy).abs().max() <= 1e-4
+    assert (lse.double() - want_lse).abs().max() <= 1e-4
+    assert logp.dtype == torch.float32 and (logp <= 0).all()
+
+
+def test_stats_kernel_is_deterministic_run_to_run():
+    hidden, weight, targets = _inputs(19, 32, 300, torch.bfloat16, seed=3)
+    first = ops.lm_head_stats_triton(hidden, weight, targets, 0.9)
+    again = ops.lm_head_stats_triton(hidden, weight, targets, 0.9)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_stats_kernel_at_a_real_vocabulary_and_int64_offsets():
+    hidden, weight, targets = _inputs(4099, 896, 151936, torch.bfloat16, seed=7)
+    logp, entropy, _ = ops.lm_head_stats_triton(hidden, weight, targets, 1.0)
+    want_logp, want_entropy, _ = ops.lm_head_stats_ref(
+        hidden.double(), weight.double(), targets, 1.0
+    )
+    assert (logp.double() - want_logp).abs().max() <= 1e-4
+    assert (entropy.double() - want_entropy).abs().max() <= 1e-4
+    assert os.environ.get("TRITON_INTERPRET") != "1"
