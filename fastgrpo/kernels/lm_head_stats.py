@@ -61,17 +61,20 @@ if triton is not None:
         s_ptr,
         t_ptr,
         pz_ptr,  # each (S, N) fp32
+        z_ptr,  # (N, V) logits at the temperature (bf16 on GPUs), written only when STORE_LOGITS
         N,
         V,
         H,
         stride_hn,
         stride_wv,
+        stride_zn,
         inv_temp,
         n_splits,
         tiles_per_split,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        STORE_LOGITS: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
@@ -104,6 +107,12 @@ if triton is not None:
                 )
                 acc = tl.dot(a, tl.trans(b), acc)
             z = acc * inv_temp  # (BM, BN) logits at the temperature
+            if STORE_LOGITS:  # for the gradient pass; the statistics below stay fp32
+                tl.store(
+                    z_ptr + rows[:, None] * stride_zn + cols[None, :],
+                    z.to(z_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & col_ok[None, :],
+                )
             z = tl.where(col_ok[None, :], z, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(z, 1))
             alpha = tl.exp2((running_max - new_max) * 1.4426950408889634)
@@ -131,16 +140,18 @@ def _blocks(H: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
-def _num_splits(N: int, V: int, block_m: int, block_n: int) -> int:
-    """Enough vocabulary splits to give every SM about two programs, at least one tile each."""
-    row_blocks = triton.cdiv(N, block_m)
+def _num_splits(V: int, block_n: int) -> int:
+    """Vocabulary splits per row block: a function of V alone, so that any chunking of the rows
+    gives bitwise the same statistics (scoring and training then agree exactly)."""
     n_tiles = triton.cdiv(V, block_n)
-    sms = 4 if _interpreting() else torch.cuda.get_device_properties(0).multi_processor_count
-    return max(1, min(n_tiles, triton.cdiv(2 * sms, row_blocks)))
+    return max(1, min(32, n_tiles // 64, n_tiles))
 
 
-def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0):
-    """(logp, entropy, lse), each (N,) fp32, with the Triton kernel. No autograd."""
+def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0, logits_out=None):
+    """(logp, entropy, lse), each (N,) fp32, with the Triton kernel. No autograd.
+
+    `logits_out` (N, V) (bf16 on GPUs), when given, receives the logits at the temperature.
+    """
     if triton is None:
         raise RuntimeError("the Triton LM-head kernel needs `pip install triton`")
     N, H = hidden.shape
@@ -161,8 +172,11 @@ def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0):
     hidden = hidden.contiguous() if hidden.stride(1) != 1 else hidden
     weight = weight.contiguous() if weight.stride(1) != 1 else weight
     block_m, block_n, block_k, warps, stages = _blocks(H)
-    splits = _num_splits(max(N, 1), V, block_m, block_n)
+    splits = _num_splits(V, block_n)
     stats = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
+    store = logits_out is not None
+    if store and (logits_out.shape != (N, V) or logits_out.stride(1) != 1):
+        raise ValueError(f"logits_out must be a row-major ({N}, {V}) tensor")
     if N > 0:
         grid = (triton.cdiv(N, block_m), splits)
         _lm_head_stats_kernel[grid](
@@ -173,17 +187,20 @@ def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0):
             stats[1],
             stats[2],
             stats[3],
+            logits_out if store else stats,
             N,
             V,
             H,
             hidden.stride(0),
             weight.stride(0),
+            logits_out.stride(0) if store else 0,
             1.0 / temperature,
             splits,
             triton.cdiv(triton.cdiv(V, block_n), splits),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            STORE_LOGITS=store,
             num_warps=warps,
             num_stages=stages,
         )

@@ -1,0 +1,230 @@
+"""LM head + GRPO loss, forward + backward, and scoring: fused Triton vs torch eager vs torch.compile.
+
+Workload as in PERFORMANCE.md: clipped ratio against old log-probs, k3 KL against reference
+log-probs (beta 0.04), grpo aggregation, bf16 hidden states and weight, random inputs. For each
+shape: median time (CUDA events via triton.testing.do_bench), peak extra memory (above the inputs),
+TFLOP/s over 6*N*H*V and the ratio to the 6NHV floor at 800 TFLOP/s. Also: scoring only (log-prob +
+entropy) and the fused call with half the groups at zero advantage. Prints a table, then one JSON
+line. Run on a CUDA GPU:  python benchmarks/bench_logprob.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastgrpo.kernels.lm_head_grpo_loss import _FusedLMHeadLoss, per_token_loss  # noqa: E402
+from fastgrpo.kernels.lm_head_stats import lm_head_stats_ref, lm_head_stats_triton  # noqa: E402
+
+SHAPES = [(16384, 896, 151936), (32768, 896, 151936), (8192, 3584, 152064)]
+BIG = (131072, 896, 151936)
+SETTINGS = {"loss_type": "grpo", "beta": 0.04, "kl_estimator": "k3", "epsilon_low": 0.2}
+FLOOR_TFLOPS = 800.0
+
+
+def make_inputs(n, h, v, seq_len=1024, zero_frac=0.0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randn(n, h, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    seqs = n // seq_len
+    adv = torch.randn(seqs, device="cuda", generator=gen)
+    if zero_frac:
+        adv[: int(seqs * zero_frac)] = 0.0
+    adv = adv.repeat_interleave(seq_len)
+    weights = torch.full((n,), 1.0 / (seq_len * seqs), device="cuda")
+    old = -torch.rand(n, device="cuda", generator=gen) * 5 - 8
+    ref = old + torch.randn(n, device="cuda", generator=gen) * 0.05
+    return hidden, weight, targets, weights, adv, old, ref
+
+
+def eager_loss(hidden, weight, targets, weights, adv, old, ref):
+    logits = (hidden @ weight.t()).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    return (weights * per_token_loss(logp, old, ref, adv, None, None, **SETTINGS)).sum()
+
+
+def fused_loss(hidden, weight, targets, weights, adv, old, ref):
+    chunk = 2048
+    return _FusedLMHeadLoss.apply(
+        hidden, weight, targets, weights, adv, old, ref, None, 1.0, chunk, SETTINGS
+    )[0]
+
+
+def measure(fn, inputs, *, reps=20):
+    from triton.testing import do_bench
+
+    hidden, weight = inputs[0], inputs[1]
+
+    def step():
+        hidden.grad = weight.grad = None
+        fn(*inputs).backward()
+
+    step()
+    torch.cuda.synchronize()
+    hidden.grad = weight.grad = None
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = do_bench(step, warmup=25, rep=reps * 25, return_mode="median")
+    hidden.grad = weight.grad = None
+    return ms, peak
+
+
+def tflops(n, h, v, ms, passes=6):
+    return passes * n * h * v / (ms * 1e-3) / 1e12
+
+
+def check_accuracy():
+    """Fused vs fp64 reference at a mid shape: log-prob error and gradient error vs the bf16 eager path."""
+    n, h, v = 1024, 896, 151936
+    inputs = make_inputs(n, h, v, seq_len=256)
+    hidden, weight = inputs[0], inputs[1]
+    loss = fused_loss(*inputs)
+    loss.backward()
+    fused_grads = (hidden.grad.double(), weight.grad.double())
+    hidden.grad = weight.grad = None
+    eager_loss(*inputs).backward()
+    eager_grads = (hidden.grad.double(), weight.grad.double())
+    hidden.grad = weight.grad = None
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = eager_loss(h64, w64, *[x.double() if x.is_floating_point() else x for x in inputs[2:]])
+    ref.backward()
+    logp, _, _ = lm_head_stats_triton(hidden.detach(), weight.detach(), inputs[2], 1.0)
+    want, _, _ = lm_head_stats_ref(h64.detach(), w64.detach(), inputs[2], 1.0)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    return {
+        "logp_max_abs_err": (logp.double() - want).abs().max().item(),
+        "loss_rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
+        "grad_hidden_rel_err": rel(fused_grads[0], h64.grad),
+        "grad_hidden_rel_err_eager_bf16": rel(eager_grads[0], h64.grad),
+        "grad_weight_rel_err": rel(fused_grads[1], w64.grad),
+        "grad_weight_rel_err_eager_bf16": rel(eager_grads[1], w64.grad),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="first shape only, no torch.compile")
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    rows = []
+    compiled = torch.compile(eager_loss)
+    for n, h, v in shapes:
+        floor = 6 * n * h * v / (FLOOR_TFLOPS * 1e12) * 1e3
+        inputs = make_inputs(n, h, v)
+        methods = [("fused", fused_loss), ("eager", eager_loss)]
+        if not (args.quick or args.no_compile):
+            methods.append(("torch.compile", compiled))
+        for name, fn in methods:
+            try:
+                ms, peak = measure(fn, inputs)
+                rows.append(
+                    {
+                        "shape": [n, h, v],
+                        "method": name,
+                        "ms": ms,
+                        "peak_gib": peak,
+                        "tflops": tflops(n, h, v, ms),
+                        "floor_ms": floor,
+                        "x_floor": ms / floor,
+                    }
+                )
+            except torch.OutOfMemoryError:
+                rows.append({"shape": [n, h, v], "method": name, "error": "out of memory"})
+            torch.cuda.empty_cache()
+        if (n, h, v) == SHAPES[0]:
+            half = make_inputs(n, h, v, zero_frac=0.5)
+            ms_half, _ = measure(fused_loss, half)
+            full_ms = next(
+                r["ms"] for r in rows if r["method"] == "fused" and r["shape"] == [n, h, v]
+            )
+            rows.append(
+                {
+                    "shape": [n, h, v],
+                    "method": "fused, half groups zero advantage",
+                    "ms": ms_half,
+                    "ratio_to_all_nonzero": ms_half / full_ms,
+                }
+            )
+            from triton.testing import do_bench
+
+            score_args = (inputs[0].detach(), inputs[1].detach(), inputs[2], 1.0)
+            score_ms = do_bench(
+                lambda args=score_args: lm_head_stats_triton(*args),
+                warmup=25,
+                rep=500,
+                return_mode="median",
+            )
+            rows.append(
+                {
+                    "shape": [n, h, v],
+                    "method": "scoring (logp+entropy), fused",
+                    "ms": score_ms,
+                    "tflops": tflops(n, h, v, score_ms, passes=2),
+                }
+            )
+        del inputs
+        torch.cuda.empty_cache()
+    if not args.quick:
+        inputs = make_inputs(*BIG)
+        try:
+            ms, peak = measure(fused_loss, inputs, reps=4)
+            rows.append(
+                {
+                    "shape": list(BIG),
+                    "method": "fused",
+                    "ms": ms,
+                    "peak_gib": peak,
+                    "tflops": tflops(*BIG, ms),
+                }
+            )
+        except torch.OutOfMemoryError:
+            rows.append({"shape": list(BIG), "method": "fused", "error": "out of memory"})
+        del inputs
+    accuracy = check_accuracy()
+    print(f"{'shape':<22} {'method':<36} {'ms':>8} {'GiB':>7} {'TFLOP/s':>8} {'x floor':>8}")
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "error" in r:
+            print(f"{shape:<22} {r['method']:<36} {r['error']}")
+            continue
+        print(
+            f"{shape:<22} {r['method']:<36} {r['ms']:>8.2f} {r.get('peak_gib', float('nan')):>7.2f} "
+            f"{r.get('tflops', float('nan')):>8.0f} {r.get('x_floor', float('nan')):>8.2f}"
+        )
+    print("accuracy:", json.dumps(accuracy))
+    commit = (
+        os.environ.get("FASTGRPO_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "logprob",
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "commit": commit or None,
+                "rows": rows,
+                "accuracy": accuracy,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

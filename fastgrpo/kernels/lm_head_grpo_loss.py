@@ -1,0 +1,293 @@
+"""Fused LM head + GRPO-family loss: hidden states in, scalar loss and its gradients out.
+
+What: rows (completion tokens, packed) go through the LM head in chunks sized by a memory budget.
+For each chunk one Triton kernel computes the logits tile by tile, keeps fp32 softmax statistics
+(so log-probs are exact to ~1e-6 and bitwise equal to scoring) and stores the logits once in bf16;
+the per-token loss and its derivative with respect to each row's log-prob (and entropy) are tiny
+O(rows) tensor ops; a second kernel turns the stored logits into d(loss)/d(logits) in place; two
+GEMMs then give d(hidden) for the chunk and accumulate d(weight) in fp32. The gradient is finished
+during the forward call, so backward only scales it: 6*N*H*V FLOPs in all, one chunk of logits in
+memory at a time.
+
+Why: the `[tokens, vocab]` logits are where GRPO spends its memory (5 GB in bf16 at 16k tokens and
+a 152k vocabulary); this path never holds more than one chunk of them.
+
+Reference: `lm_head_grpo_loss_ref` (autograd through fp32 logits and the same per-token loss).
+The per-token loss mirrors `fastgrpo.algo.policy_loss` for token-level ratios (every loss type but
+GSPO's sequence-level ratio, which takes the reference path); the weights `token_weights` turn
+each aggregation (sequence mean, token mean, constant length) into a weighted token sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.algo.kl import kl_penalty
+from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
+from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
+from fastgrpo.kernels.lm_head_stats import _interpreting, lm_head_stats_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: 2048 rows at a 152k vocabulary
+
+
+def token_weights(
+    mask,
+    loss_type: str,
+    *,
+    num_sequences=None,
+    num_tokens=None,
+    max_completion_length=None,
+    dtype=torch.float32,
+):
+    """(B, T) weights w so that sum(w * per_token_loss) equals the loss type's aggregation."""
+    m = (mask != 0).to(dtype)  # (B, T)
+    sequences = m.shape[0] if num_sequences is None else num_sequences
+    if loss_type in ("grpo", "gspo"):
+        return m / m.sum(-1, keepdim=True).clamp(min=1.0) / sequences
+    if loss_type == "dr_grpo":
+        return m / (sequences * max_completion_length)
+    tokens = (
+        m.sum()
+        if num_tokens is None
+        else torch.as_tensor(float(num_tokens), dtype=dtype, device=m.device)
+    )
+    return m / tokens.clamp(min=1.0)
+
+
+def per_token_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    entropy,
+    sampling_logp,
+    *,
+    loss_type="grpo",
+    beta=0.0,
+    kl_estimator="k3",
+    epsilon_low=0.2,
+    epsilon_high=None,
+    delta=None,
+    entropy_coef=0.0,
+    importance_sampling_cap=2.0,
+):
+    """Per-token loss of packed rows (N,): the token-level part of `algo.policy_loss`."""
+    if loss_type not in TOKEN_LEVEL_LOSSES:
+        raise ValueError(
+            f"per_token_loss handles token-level losses {TOKEN_LEVEL_LOSSES}, not {loss_type!r}"
+        )
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    old_logp = logp.detach() if old_logp is None else old_logp
+    coef_1 = torch.exp(logp - old_logp)
+    surrogate = _cispo_surrogate if loss_type == "cispo" else _clipped_surrogate
+    loss, _, _ = surrogate(
+        coef_1, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta
+    )
+    if sampling_logp is not None:
+        loss = loss * torch.clamp(torch.exp(old_logp - sampling_logp), max=importance_sampling_cap)
+    if beta != 0.0:
+        loss = loss + beta * kl_penalty(logp, ref_logp, kl_estimator)
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * entropy
+    return loss
+
+
+def lm_head_grpo_loss_ref(
+    hidden,
+    weight,
+    targets,
+    weights,
+    advantages,
+    *,
+    old_logp=None,
+    ref_logp=None,
+    sampling_logp=None,
+    temperature=1.0,
+    **settings,
+):
+    """(loss, logp, entropy) with autograd through the reference log-prob path: the spec."""
+    with_entropy = settings.get("entropy_coef", 0.0) != 0.0
+    logp, entropy = lm_head_logprob_ref(hidden, weight, targets, temperature, with_entropy=True)
+    ent = entropy if with_entropy else entropy.detach()
+    loss = (
+        weights
+        * per_token_loss(logp, old_logp, ref_logp, advantages, ent, sampling_logp, **settings)
+    ).sum()
+    return loss, logp.detach(), entropy.detach()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dlogits_kernel(
+        z_ptr,
+        stride_zn,
+        tgt_ptr,
+        lse_ptr,
+        ent_ptr,
+        g_ptr,
+        ge_ptr,  # z: (C, V) bf16, in place
+        V,
+        inv_temp,
+        BLOCK_V: tl.constexpr,
+    ):
+        """z <- (g * (onehot - p) - ge * p * (log p + H)) / T for one row and one vocabulary block."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = cols < V
+        g = tl.load(g_ptr + row)
+        ge = tl.load(ge_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        ent = tl.load(ent_ptr + row)
+        target = tl.load(tgt_ptr + row).to(tl.int64)
+        z = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
+        log_p = z - lse
+        p = tl.exp(log_p)
+        dz = g * (tl.where(cols == target, 1.0, 0.0) - p) - ge * p * (log_p + ent)
+        tl.store(
+            z_ptr + row * stride_zn + cols, (dz * inv_temp).to(z_ptr.dtype.element_ty), mask=ok
+        )
+
+
+def _dlogits_(z, targets, lse, entropy, g, ge, temperature):
+    rows, V = z.shape
+    block = 256 if _interpreting() else 4096
+    if rows:
+        _dlogits_kernel[(rows, triton.cdiv(V, block))](
+            z, z.stride(0), targets, lse, entropy, g, ge, V, 1.0 / temperature, BLOCK_V=block
+        )
+
+
+def _matmul_f32(a, b):
+    """a @ b with fp32 output (bf16 inputs, fp32 accumulation)."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):  # torch without mm(out_dtype)
+        return torch.mm(a.float(), b.float())
+
+
+class _FusedLMHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        weights,
+        advantages,
+        old_logp,
+        ref_logp,
+        sampling_logp,
+        temperature,
+        chunk_rows,
+        settings,
+    ):
+        N, H = hidden.shape
+        V = weight.shape[0]
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden = torch.zeros_like(hidden) if need_dh else None
+        d_weight = torch.zeros(V, H, dtype=torch.float32, device=weight.device) if need_dw else None
+        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # bf16 logits on GPUs; fp32 under the CPU interpreter, which has no bf16
+        buffer_dtype = torch.float32 if _interpreting() else torch.bfloat16
+        logits = torch.empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
+        pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
+        for start in range(0, N, chunk_rows):
+            end = min(start + chunk_rows, N)
+            z = logits[: end - start]
+            lp, ent, lse = lm_head_stats_triton(
+                hidden[start:end], weight, targets[start:end], temperature, logits_out=z
+            )
+            logp[start:end], entropy[start:end] = lp, ent
+            with torch.enable_grad():
+                lp_leaf = lp.detach().requires_grad_()
+                ent_leaf = ent.detach().requires_grad_()
+                terms = per_token_loss(
+                    lp_leaf,
+                    pick(old_logp, start, end),
+                    pick(ref_logp, start, end),
+                    advantages[start:end],
+                    ent_leaf,
+                    pick(sampling_logp, start, end),
+                    **settings,
+                )
+                chunk_loss = (weights[start:end] * terms).sum()
+                g, ge = torch.autograd.grad(chunk_loss, (lp_leaf, ent_leaf), allow_unused=True)
+            loss += chunk_loss.detach()
+            g = torch.zeros_like(lp) if g is None else g
+            ge = torch.zeros_like(lp) if ge is None else ge
+            _dlogits_(z, targets[start:end], lse, ent, g.contiguous(), ge.contiguous(), temperature)
+            if need_dh:
+                d_hidden[start:end] = torch.mm(z, weight.to(buffer_dtype)).to(hidden.dtype)
+            if need_dw:
+                d_weight += _matmul_f32(z.t(), hidden[start:end].to(buffer_dtype))
+        ctx.save_for_backward(d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        d_hidden, d_weight = ctx.saved_tensors
+        d_hidden = None if d_hidden is None else d_hidden * grad_loss.to(d_hidden.dtype)
+        d_weight = None if d_weight is None else d_weight * grad_loss.to(d_weight.dtype)
+        return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
+
+
+def lm_head_grpo_loss(
+    hidden,
+    weight,
+    targets,
+    weights,
+    advantages,
+    *,
+    old_logp=None,
+    ref_logp=None,
+    sampling_logp=None,
+    temperature=1.0,
+    chunk_bytes=DEFAULT_CHUNK_BYTES,
+    **settings,
+):
+    """(loss, logp, entropy) for packed rows: fused Triton path on CUDA, reference elsewhere.
+
+    hidden (N, H), weight (V, H), targets (N,), weights (N,) aggregation weights from
+    `token_weights` (0 for rows that do not count), advantages (N,) (each row its sequence's),
+    old/ref/sampling log-probs (N,) or None. `settings` are `per_token_loss`'s keywords.
+    """
+    fused = (
+        triton is not None
+        and hidden.is_cuda
+        and settings.get("loss_type", "grpo") in TOKEN_LEVEL_LOSSES
+    )
+    if not fused:
+        return lm_head_grpo_loss_ref(
+            hidden,
+            weight,
+            targets,
+            weights,
+            advantages,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            sampling_logp=sampling_logp,
+            temperature=temperature,
+            **settings,
+        )
+    chunk_rows = max(128, chunk_bytes // (2 * weight.shape[0]) // 128 * 128)
+    return _FusedLMHeadLoss.apply(
+        hidden,
+        weight,
+        targets,
+        weights.float(),
+        advantages.float(),
+        old_logp,
+        ref_logp,
+        sampling_logp,
+        temperature,
+        chunk_rows,
+        settings,
+    )

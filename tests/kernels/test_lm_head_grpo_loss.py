@@ -1,0 +1,169 @@
+"""Fused LM-head + GRPO loss against the reference: loss, log-probs and both gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgrpo.algo import policy_loss
+from fastgrpo.kernels import lm_head_grpo_loss as fused
+from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
+
+VARIANTS = [
+    dict(loss_type="grpo"),
+    dict(loss_type="dapo", epsilon_high=0.28),
+    dict(loss_type="bnpo", beta=0.05, kl_estimator="k3"),
+    dict(loss_type="dr_grpo", beta=0.02, kl_estimator="k1", delta=1.5),
+    dict(loss_type="cispo", epsilon_high=5.0, entropy_coef=0.01),
+    dict(loss_type="grpo", entropy_coef=0.02, beta=0.1, kl_estimator="k2"),
+]
+
+
+def _batch(seed, n_seq=3, t=5, h=32, v=151, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_seq * t, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5
+    targets = torch.randint(0, v, (n_seq * t,), generator=gen)
+    mask = torch.ones(n_seq, t)
+    mask[0, 3:] = 0  # a short sequence
+    mask[2, 1:] = 0  # T=1 in effect
+    advantages = torch.tensor([1.0, -0.5, 0.0])[:n_seq]
+    noise = torch.randn(n_seq * t, generator=gen, dtype=torch.float64) * 0.1
+    return hidden.to(dtype), weight.to(dtype), targets, mask, advantages, noise
+
+
+@pytest.mark.parametrize(
+    "settings", VARIANTS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
+)
+def test_reference_weighted_token_loss_equals_algo_policy_loss(settings):
+    hidden, weight, targets, mask, advantages, noise = _batch(0, dtype=torch.float64)
+    hidden.requires_grad_()
+    logp, entropy = lm_head_logprob_ref(hidden, weight, targets, 0.8, with_entropy=True)
+    old, ref = (logp.detach() + noise), (logp.detach() - noise)
+    b, t = mask.shape
+    want, _ = policy_loss(
+        logp.view(b, t),
+        old.view(b, t),
+        ref.view(b, t),
+        advantages,
+        mask,
+        entropy=entropy.view(b, t),
+        max_completion_length=t,
+        **settings,
+    )
+    weights = fused.token_weights(
+        mask, settings["loss_type"], max_completion_length=t, dtype=torch.float64
+    ).reshape(-1)
+    got, _, _ = fused.lm_head_grpo_loss_ref(
+        hidden,
+        weight,
+        targets,
+        weights,
+        advantages.repeat_interleave(t).double(),
+        old_logp=old,
+        ref_logp=ref,
+        temperature=0.8,
+        **settings,
+    )
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        torch.autograd.grad(got, hidden)[0], torch.autograd.grad(want, hidden)[0], atol=1e-10
+    )
+
+
+@pytest.mark.parametrize(
+    "settings", VARIANTS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
+)
+@pytest.mark.parametrize("chunk_rows", [4, 128])
+def test_fused_loss_and_gradients_match_the_float64_reference(settings, chunk_rows):
+    hidden, weight, targets, mask, advantages, noise = _batch(1)
+    t = mask.shape[1]
+    weights = fused.token_weights(mask, settings["loss_type"], max_completion_length=t).reshape(-1)
+    adv = advantages.repeat_interleave(t)
+    with torch.no_grad():
+        base, _ = lm_head_logprob_ref(hidden, weight, targets, 0.8)
+    old, ref = (base + noise.float()), (base - noise.float())
+    h, w = hidden.to(DEVICE).clone().requires_grad_(), weight.to(DEVICE).clone().requires_grad_()
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    loss, logp, entropy = fused._FusedLMHeadLoss.apply(
+        h,
+        w,
+        dev(targets),
+        dev(weights),
+        dev(adv),
+        dev(old),
+        dev(ref),
+        None,
+        0.8,
+        chunk_rows,
+        settings,
+    )
+    loss.backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want, want_logp, want_entropy = fused.lm_head_grpo_loss_ref(
+        h64,
+        w64,
+        targets,
+        weights.double(),
+        adv.double(),
+        old_logp=old.double(),
+        ref_logp=ref.double(),
+        temperature=0.8,
+        **settings,
+    )
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(abs(want.item()), 1e-3)
+    assert (logp.cpu().double() - want_logp).abs().max() <= 1e-4
+    assert (entropy.cpu().double() - want_entropy).abs().max() <= 1e-4
+    assert torch.allclose(h.grad.cpu().double(), h64.grad, atol=1e-4, rtol=1e-3)
+    assert torch.allclose(w.grad.cpu().double(), w64.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_frozen_weight_gets_no_gradient_and_masked_rows_none():
+    hidden, weight, targets, mask, advantages, _ = _batch(2)
+    t = mask.shape[1]
+    weights = fused.token_weights(mask, "grpo").reshape(-1)
+    h = hidden.to(DEVICE).clone().requires_grad_()
+    loss, _, _ = fused._FusedLMHeadLoss.apply(
+        h,
+        weight.to(DEVICE),
+        targets.to(DEVICE),
+        weights.to(DEVICE),
+        advantages.repeat_interleave(t).to(DEVICE),
+        None,
+        None,
+        None,
+        1.0,
+        128,
+        {"loss_type": "grpo"},
+    )
+    loss.backward()
+    grad = h.grad.cpu().view(3, t, -1)
+    assert (grad[0, 3:] == 0).all() and (grad[2] == 0).all()  # masked rows; zero advantage
+    assert grad[1].abs().sum() > 0
+
+
+def test_training_log_probs_are_bitwise_the_scoring_log_probs():
+    from fastgrpo.kernels.lm_head_stats import lm_head_stats_triton
+
+    hidden, weight, targets, mask, advantages, _ = _batch(3)
+    t = mask.shape[1]
+    args = [x.to(DEVICE) for x in (hidden, weight, targets)]
+    scored, _, _ = lm_head_stats_triton(*args, 0.7)
+    weights = fused.token_weights(mask, "grpo").reshape(-1).to(DEVICE)
+    _, trained, _ = fused._FusedLMHeadLoss.apply(
+        *args,
+        weights,
+        advantages.repeat_interleave(t).to(DEVICE),
+        None,
+        None,
+        None,
+        0.7,
+        4,
+        {"loss_type": "grpo"},
+    )
+    assert torch.equal(scored, trained)
