@@ -194,8 +194,10 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # bf16 logits on GPUs; fp32 under the CPU interpreter, which has no bf16
-        buffer_dtype = torch.float32 if _interpreting() else torch.bfloat16
+        # bf16 logits for bf16 models; fp32 for fp32 models and under the interpreter (no bf16)
+        buffer_dtype = (
+            torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
+        )
         logits = torch.empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
         pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
         for start in range(0, N, chunk_rows):

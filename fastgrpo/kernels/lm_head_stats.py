@@ -75,6 +75,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         STORE_LOGITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     ):
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
@@ -105,7 +106,7 @@ if triton is not None:
                     mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0,
                 )
-                acc = tl.dot(a, tl.trans(b), acc)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
             z = acc * inv_temp  # (BM, BN) logits at the temperature
             if STORE_LOGITS:  # for the gradient pass; the statistics below stay fp32
                 tl.store(
@@ -201,6 +202,7 @@ def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0, logi
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             STORE_LOGITS=store,
+            DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
             num_warps=warps,
             num_stages=stages,
         )
