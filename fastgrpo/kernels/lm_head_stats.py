@@ -139,10 +139,10 @@ def _blocks(H: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for this device."""
     if _interpreting():
         return 16, 32, 16, 4, 1
-    # measured on the H100 (benchmarks/tune_lm_head_stats.py): wider vocabulary tiles pay off only
-    # when H is large (H=3584: 18.9 ms vs 22.4 ms; H=896: 12.3 ms vs 10.8 ms)
-    if H >= 2048:
-        return 128, 256, 64, 8, 3
+    # Measured on the H100 (benchmarks/tune_lm_head_stats.py): for scoring alone, 256-wide vocabulary
+    # tiles win at H=3584 (18.9 vs 22.4 ms) and lose at H=896 (12.3 vs 10.8 ms); in the fused
+    # training call at H=3584 they lost (68.7 vs 64.5 ms). Scoring and training must share one
+    # configuration to agree bitwise, so 128 everywhere for now.
     return 128, 128, 64, 8, 3
 
 
