@@ -94,6 +94,7 @@ class TrainConfig:
     num_iterations: int = 1  # K inner epochs over each rollout batch
     mini_batches: int = 1  # optimizer steps per inner epoch
     micro_batch_tokens: int = 4096  # token budget of one forward/backward (padding counted)
+    fused_lm_head: str = "auto"  # auto (Triton on CUDA) | on | off: fused LM-head loss kernels
     seed: int = 0
 
 
@@ -280,6 +281,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool) and "on" in _CHOICES.get(key, ()):  # YAML 1.1 reads on/off as bools
+            return "on" if value else "off"
     raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__})")
 
 
@@ -294,6 +297,7 @@ _CHOICES = {
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.baseline": ("mean", "leave_one_out"),
     "train.lr_scheduler": ("constant", "linear", "cosine"),
+    "train.fused_lm_head": ("auto", "on", "off"),
 }
 
 # key -> (lowest allowed, inclusive?)
@@ -383,6 +387,14 @@ def _validate_batches(config: Config) -> None:
             f"train.mini_batches={mini} does not divide the {rows} completions of a step "
             f"(rollout.prompts_per_step={config.rollout.prompts_per_step} x "
             f"rollout.num_generations={config.rollout.num_generations}); choose a divisor of {rows}."
+        )
+    sequence_level = (
+        config.algo.loss_type == "gspo" or config.algo.importance_sampling_level == "sequence"
+    )
+    if config.train.fused_lm_head == "on" and sequence_level:
+        raise ConfigError(
+            "train.fused_lm_head=on handles token-level ratios only; a sequence-level ratio (gspo) "
+            "takes the reference path: set train.fused_lm_head=auto or off."
         )
     if config.algo.loss_type == "cispo" and config.algo.epsilon_high is None:
         raise ConfigError(

@@ -253,6 +253,7 @@ def lm_head_grpo_loss(
     sampling_logp=None,
     temperature=1.0,
     chunk_bytes=DEFAULT_CHUNK_BYTES,
+    fused=None,
     **settings,
 ):
     """(loss, logp, entropy) for packed rows: fused Triton path on CUDA, reference elsewhere.
@@ -260,12 +261,12 @@ def lm_head_grpo_loss(
     hidden (N, H), weight (V, H), targets (N,), weights (N,) aggregation weights from
     `token_weights` (0 for rows that do not count), advantages (N,) (each row its sequence's),
     old/ref/sampling log-probs (N,) or None. `settings` are `per_token_loss`'s keywords.
+    `fused` forces the choice (None: fused on CUDA; True on CPU needs TRITON_INTERPRET=1).
     """
-    fused = (
-        triton is not None
-        and hidden.is_cuda
-        and settings.get("loss_type", "grpo") in TOKEN_LEVEL_LOSSES
-    )
+    if fused is None:
+        fused = triton is not None and hidden.is_cuda
+    if settings.get("loss_type", "grpo") not in TOKEN_LEVEL_LOSSES:
+        fused = False  # a sequence-level ratio couples rows: the reference handles it
     if not fused:
         return lm_head_grpo_loss_ref(
             hidden,

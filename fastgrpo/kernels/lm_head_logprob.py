@@ -63,14 +63,24 @@ def lm_head_logprob_ref(
     return logp, entropy
 
 
-def lm_head_logprob(hidden, weight, targets, temperature: float = 1.0, with_entropy: bool = False):
+def lm_head_logprob(
+    hidden,
+    weight,
+    targets,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    fused: bool | None = None,
+):
     """Per-row (logp, entropy | None). On CUDA without autograd (scoring: reference and old
     log-probs, evaluation) the Triton statistics kernel runs, with no [N, V] logits; otherwise the
-    reference. Training with the fused loss goes through `lm_head_grpo_loss`."""
+    reference. `fused` forces the choice (True on CPU needs TRITON_INTERPRET=1). Training with
+    the fused loss goes through `lm_head_grpo_loss`."""
     from fastgrpo.kernels.lm_head_stats import lm_head_stats_triton, triton
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if triton is not None and hidden.is_cuda and not needs_grad and hidden.dtype == weight.dtype:
+    if fused is None:
+        fused = triton is not None and hidden.is_cuda and hidden.dtype == weight.dtype
+    if fused and not needs_grad:
         logp, entropy, _ = lm_head_stats_triton(hidden, weight, targets, temperature)
         return logp, entropy if with_entropy else None
     return lm_head_logprob_ref(hidden, weight, targets, temperature, with_entropy)

@@ -35,10 +35,8 @@ def trim_padding(rollout: Rollout) -> Rollout:
     )
 
 
-def completion_logprobs(
-    model, rollout: Rollout, *, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp, entropy) of shape (B, Tc) for the rollout's completion tokens; 0 where masked.
+def completion_hidden(model, rollout: Rollout) -> torch.Tensor:
+    """(B, Tc, H) final hidden states; position t predicts completion token t.
 
     The rollout should already be trimmed (`trim_padding`); widths are kept as given.
     """
@@ -49,16 +47,30 @@ def completion_logprobs(
     hidden = backbone_of(model)(
         input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
     ).last_hidden_state  # (B, Tp+Tc, H)
-    hidden = hidden[:, prompt_len - 1 : -1]  # (B, Tc, H): position t predicts completion token t
+    return hidden[:, prompt_len - 1 : -1]
+
+
+def unpack(keep: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """(n,) values of the kept positions -> (B, Tc) fp32 with zeros elsewhere."""
+    return packed.new_zeros(keep.shape, dtype=torch.float32).masked_scatter(keep, packed.float())
+
+
+def completion_logprobs(
+    model,
+    rollout: Rollout,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp, entropy) of shape (B, Tc) for the rollout's completion tokens; 0 where masked.
+
+    `fused`: score with the Triton kernel (None: on CUDA when no gradient is needed).
+    """
+    hidden = completion_hidden(model, rollout)  # (B, Tc, H)
     keep = rollout.completion_mask.bool()  # (B, Tc)
     weight = model.get_output_embeddings().weight  # (V, H)
     packed_logp, packed_entropy = lm_head_logprob(
-        hidden[keep], weight, rollout.completion_ids[keep], temperature, with_entropy
+        hidden[keep], weight, rollout.completion_ids[keep], temperature, with_entropy, fused=fused
     )  # (n,)
-    logp = hidden.new_zeros(keep.shape, dtype=torch.float32).masked_scatter(keep, packed_logp)
-    entropy = None
-    if with_entropy:
-        entropy = hidden.new_zeros(keep.shape, dtype=torch.float32).masked_scatter(
-            keep, packed_entropy
-        )
-    return logp, entropy
+    return unpack(keep, packed_logp), unpack(keep, packed_entropy) if with_entropy else None

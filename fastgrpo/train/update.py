@@ -15,9 +15,22 @@ import torch
 
 from fastgrpo.algo import policy_loss
 from fastgrpo.config import Config
+from fastgrpo.kernels.lm_head_grpo_loss import TOKEN_LEVEL_LOSSES, lm_head_grpo_loss, token_weights
+from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.rollout import Rollout
 from fastgrpo.train.batching import plan_micro_batches
-from fastgrpo.train.logprobs import completion_logprobs, trim_padding
+from fastgrpo.train.logprobs import completion_hidden, completion_logprobs, trim_padding, unpack
+
+PER_TOKEN_SETTINGS = (
+    "loss_type",
+    "beta",
+    "kl_estimator",
+    "epsilon_low",
+    "epsilon_high",
+    "delta",
+    "entropy_coef",
+    "importance_sampling_cap",
+)
 
 
 @dataclass
@@ -45,6 +58,83 @@ def loss_settings(config: Config) -> dict:
     )
 
 
+def use_fused_lm_head(config: Config, model) -> bool:
+    """Whether the update runs the fused LM-head + loss kernels (token-level ratios only)."""
+    mode, a = config.train.fused_lm_head, config.algo
+    token_level = a.loss_type in TOKEN_LEVEL_LOSSES and a.importance_sampling_level == "token"
+    if mode == "off" or not token_level:
+        return False
+    return mode == "on" or (triton is not None and model.device.type == "cuda")
+
+
+def micro_batch_loss(config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings):
+    """Reference path: (B, Tc) log-probs with autograd, then `policy_loss`."""
+    logp, entropy = completion_logprobs(
+        model, mb.rollout, temperature=config.rollout.temperature, with_entropy=True
+    )
+    return policy_loss(
+        logp,
+        mb.old_logp,
+        mb.ref_logp,
+        mb.advantages,
+        mb.rollout.completion_mask,
+        entropy=entropy if config.algo.entropy_coef else entropy.detach(),
+        sampling_logp=mb.rollout.sampling_logp,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        **settings,
+    )
+
+
+def fused_micro_batch_loss(
+    config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings
+):
+    """Fused path: hidden states of the completion tokens (packed) straight to loss and gradients.
+
+    The metrics come from `policy_loss` on the detached log-probs, so both paths report alike.
+    """
+    mask = mb.rollout.completion_mask
+    keep = mask.bool()  # (b, Tc)
+    hidden = completion_hidden(model, mb.rollout)  # (b, Tc, H)
+    weights = token_weights(
+        mask,
+        config.algo.loss_type,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        max_completion_length=config.rollout.max_new_tokens,
+    )  # (b, Tc)
+    rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
+    pick = lambda x: None if x is None else x[keep]  # noqa: E731
+    token_settings = {k: v for k, v in settings.items() if k in PER_TOKEN_SETTINGS}
+    loss, logp, entropy = lm_head_grpo_loss(
+        hidden[keep],
+        model.get_output_embeddings().weight,
+        mb.rollout.completion_ids[keep],
+        weights[keep],
+        rows[keep],
+        old_logp=pick(mb.old_logp),
+        ref_logp=pick(mb.ref_logp),
+        sampling_logp=pick(mb.rollout.sampling_logp),
+        temperature=config.rollout.temperature,
+        fused=True,
+        **token_settings,
+    )
+    with torch.no_grad():
+        _, parts = policy_loss(
+            unpack(keep, logp),
+            mb.old_logp,
+            mb.ref_logp,
+            mb.advantages,
+            mask,
+            entropy=unpack(keep, entropy),
+            sampling_logp=mb.rollout.sampling_logp,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            **settings,
+        )
+    return loss, parts
+
+
 def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) -> dict:
     """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics."""
     a, t, r = config.algo, config.train, config.rollout
@@ -57,6 +147,7 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) 
     rows = advantages.shape[0]
     per_mini = rows // t.mini_batches
     settings = loss_settings(config)
+    fused = use_fused_lm_head(config, model)
     zero_grad_possible = a.beta == 0 and a.entropy_coef == 0
     needs_old = t.num_iterations > 1 or t.mini_batches > 1
     minis = []
@@ -73,7 +164,7 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) 
             for mb in micro:
                 if ref_model is not None:
                     mb.ref_logp, _ = completion_logprobs(
-                        ref_model, mb.rollout, temperature=r.temperature
+                        ref_model, mb.rollout, temperature=r.temperature, fused=fused
                     )
     times["time/reference"] = time.perf_counter() - clock
     clock = time.perf_counter()
@@ -82,7 +173,7 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) 
             for micro, _, _ in minis:
                 for mb in micro:
                     mb.old_logp, _ = completion_logprobs(
-                        model, mb.rollout, temperature=r.temperature
+                        model, mb.rollout, temperature=r.temperature, fused=fused
                     )
     times["time/old_logprobs"] = time.perf_counter() - clock
 
@@ -96,21 +187,8 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) 
         for micro, num_sequences, num_tokens in minis:
             optimizer.zero_grad(set_to_none=True)
             for mb in micro:
-                logp, entropy = completion_logprobs(
-                    model, mb.rollout, temperature=r.temperature, with_entropy=True
-                )
-                loss, parts = policy_loss(
-                    logp,
-                    mb.old_logp,
-                    mb.ref_logp,
-                    mb.advantages,
-                    mb.rollout.completion_mask,
-                    entropy=entropy if a.entropy_coef else entropy.detach(),
-                    sampling_logp=mb.rollout.sampling_logp,
-                    num_sequences=num_sequences,
-                    num_tokens=num_tokens,
-                    **settings,
-                )
+                step_loss = fused_micro_batch_loss if fused else micro_batch_loss
+                loss, parts = step_loss(config, model, mb, num_sequences, num_tokens, settings)
                 loss.backward()
                 loss_sum += float(loss.detach())
                 tokens = mb.rollout.completion_mask.sum().item()

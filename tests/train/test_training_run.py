@@ -325,3 +325,48 @@ def test_every_algorithm_variant_trains_through_the_loop(settings, tiny_model_di
     if settings.get("algo.importance_sampling_correction"):
         # HF generate's logits and the trainer's agree in fp32, so the IS weight is ~1
         assert record["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"algo.beta": 0.05, "train.num_iterations": 2, "algo.loss_type": "dapo"}],
+    ids=["grpo", "dapo_kl_two_epochs"],
+)
+def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model_dir, tmp_path):
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(INTERRUPTING_REWARD)
+    runs = {}
+    for mode in ("off", "on"):
+        overrides = tiny_overrides(
+            tiny_model_dir,
+            tmp_path / mode,
+            steps=3,
+            **{"rewards": f"['{reward_file}:digit_share']", "train.fused_lm_head": mode, **extra},
+        )
+        runs[mode] = run_training(None, overrides=overrides)
+    for ref, fused in zip(runs["off"].history, runs["on"].history):
+        assert fused["reward/mean"] == pytest.approx(ref["reward/mean"], abs=1e-6)  # same samples
+        for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
+            assert fused[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+    final_ref = weights(latest_checkpoint(tmp_path / "off"))
+    final_fused = weights(latest_checkpoint(tmp_path / "on"))
+    for name, value in final_ref.items():
+        assert torch.allclose(final_fused[name], value, atol=1e-5), name
+
+
+def test_fused_lm_head_on_really_runs_the_fused_kernels(tiny_model_dir, tmp_path, monkeypatch):
+    from fastgrpo.kernels import lm_head_grpo_loss as fused
+
+    calls = []
+    original = fused._FusedLMHeadLoss.apply
+    monkeypatch.setattr(fused._FusedLMHeadLoss, "apply", lambda *a: calls.append(1) or original(*a))
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(INTERRUPTING_REWARD)
+    overrides = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        steps=1,
+        **{"rewards": f"['{reward_file}:digit_share']", "train.fused_lm_head": "on"},
+    )
+    run_training(None, overrides=overrides)
+    assert calls
