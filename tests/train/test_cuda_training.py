@@ -42,6 +42,11 @@ def test_training_on_cuda_picks_bf16_and_produces_finite_metrics(tiny_model_dir,
 
 
 def test_fused_and_reference_paths_give_the_same_bf16_training_curve(tiny_model_dir, tmp_path):
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(
+        "def digit_share(prompts, completions, **kw):\n"
+        "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n"
+    )
     history = {}
     for mode in ("off", "on"):
         overrides = [
@@ -61,6 +66,7 @@ def test_fused_and_reference_paths_give_the_same_bf16_training_curve(tiny_model_
             "rewards=[math_accuracy, answer_format]",
         ]
         history[mode] = run_training(None, overrides=overrides).history
+    assert history["on"][0]["active_rows_frac"] > 0
     for ref, fused in zip(history["off"], history["on"]):
         if (
             ref["reward/mean"] != fused["reward/mean"]
