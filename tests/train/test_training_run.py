@@ -56,6 +56,13 @@ def tiny_overrides(model_dir, run_dir, steps=3, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in settings.items()]
 
 
+def write_test_rewards(folder) -> str:
+    """A module of test rewards in `folder`; returns its path for "path.py:function" specs."""
+    path = folder / "rewards.py"
+    path.write_text(INTERRUPTING_REWARD)
+    return str(path)
+
+
 def weights(checkpoint) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "model" / "model.safetensors"))
 
@@ -194,8 +201,7 @@ def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(
 
 
 def test_micro_batch_token_budget_does_not_change_the_update(tiny_model_dir, tmp_path):
-    reward_file = tmp_path / "rewards.py"
-    reward_file.write_text(INTERRUPTING_REWARD)
+    reward_file = write_test_rewards(tmp_path)
     finals = []
     for budget, name in ((100000, "one"), (40, "many")):
         overrides = tiny_overrides(
@@ -233,8 +239,7 @@ def test_config_errors_name_the_problem_and_the_fix():
 def test_ratio_is_exactly_one_when_the_weights_do_not_move_between_inner_epochs(
     tiny_model_dir, tmp_path
 ):
-    reward_file = tmp_path / "rewards.py"
-    reward_file.write_text(INTERRUPTING_REWARD)
+    reward_file = write_test_rewards(tmp_path)
     overrides = tiny_overrides(
         tiny_model_dir,
         tmp_path / "run",
@@ -312,8 +317,7 @@ def test_eval_reads_gsm8k_from_a_local_folder(tiny_model_dir, capsys):
     ids=["dapo", "dr_grpo", "bnpo_rloo_k2", "gspo", "cispo_entropy", "tis_delta"],
 )
 def test_every_algorithm_variant_trains_through_the_loop(settings, tiny_model_dir, tmp_path):
-    reward_file = tmp_path / "rewards.py"
-    reward_file.write_text(INTERRUPTING_REWARD)
+    reward_file = write_test_rewards(tmp_path)
     overrides = tiny_overrides(
         tiny_model_dir,
         tmp_path / "run",
@@ -333,8 +337,7 @@ def test_every_algorithm_variant_trains_through_the_loop(settings, tiny_model_di
     ids=["grpo", "dapo_kl_two_epochs"],
 )
 def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model_dir, tmp_path):
-    reward_file = tmp_path / "rewards.py"
-    reward_file.write_text(INTERRUPTING_REWARD)
+    reward_file = write_test_rewards(tmp_path)
     runs = {}
     for mode in ("off", "on"):
         overrides = tiny_overrides(
@@ -360,8 +363,7 @@ def test_fused_lm_head_on_really_runs_the_fused_kernels(tiny_model_dir, tmp_path
     calls = []
     original = fused._FusedLMHeadLoss.apply
     monkeypatch.setattr(fused._FusedLMHeadLoss, "apply", lambda *a: calls.append(1) or original(*a))
-    reward_file = tmp_path / "rewards.py"
-    reward_file.write_text(INTERRUPTING_REWARD)
+    reward_file = write_test_rewards(tmp_path)
     overrides = tiny_overrides(
         tiny_model_dir,
         tmp_path / "run",
