@@ -281,7 +281,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        if isinstance(value, bool) and "on" in _CHOICES.get(key, ()):  # YAML 1.1 reads on/off as bools
+        if isinstance(value, bool) and "on" in _CHOICES.get(
+            key, ()
+        ):  # YAML 1.1 reads on/off as bools
             return "on" if value else "off"
     raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__})")
 

@@ -162,12 +162,14 @@ def _dlogits_(z, targets, lse, entropy, g, ge, temperature):
         )
 
 
-def _matmul_f32(a, b):
-    """a @ b with fp32 output (bf16 inputs, fp32 accumulation)."""
+def _add_matmul_f32_(out, a, b):
+    """out += a @ b in place, out fp32, a and b bf16 (or fp32): one GEMM with beta=1, no temporary."""
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b)
     try:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    except (TypeError, RuntimeError, NotImplementedError):  # torch without mm(out_dtype)
-        return torch.mm(a.float(), b.float())
+        return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm(out_dtype)
+        return out.add_(torch.mm(a.float(), b.float()))
 
 
 class _FusedLMHeadLoss(torch.autograd.Function):
@@ -228,7 +230,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             if need_dh:
                 d_hidden[start:end] = torch.mm(z, weight.to(buffer_dtype)).to(hidden.dtype)
             if need_dw:
-                d_weight += _matmul_f32(z.t(), hidden[start:end].to(buffer_dtype))
+                _add_matmul_f32_(d_weight, z.t(), hidden[start:end].to(buffer_dtype))
         ctx.save_for_backward(d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
