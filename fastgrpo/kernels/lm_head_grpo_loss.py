@@ -243,6 +243,13 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
 
 
+@torch.compiler.disable
+def _fused_apply(*args):
+    """The fused call stays opaque to torch.compile: a compiled caller breaks its graph here and
+    runs the chunk loop and Triton launches eagerly (they gain nothing from tracing)."""
+    return _FusedLMHeadLoss.apply(*args)
+
+
 def lm_head_grpo_loss(
     hidden,
     weight,
@@ -283,7 +290,7 @@ def lm_head_grpo_loss(
             **settings,
         )
     chunk_rows = max(128, chunk_bytes // (2 * weight.shape[0]) // 128 * 128)
-    return _FusedLMHeadLoss.apply(
+    return _fused_apply(
         hidden,
         weight,
         targets,

@@ -167,3 +167,26 @@ def test_training_log_probs_are_bitwise_the_scoring_log_probs():
         {"loss_type": "grpo"},
     )
     assert torch.equal(scored, trained)
+
+
+def test_fused_loss_works_inside_a_torch_compiled_caller():
+    hidden, weight, targets, mask, advantages, _ = _batch(4)
+    t = mask.shape[1]
+    weights = fused.token_weights(mask, "grpo").reshape(-1).to(DEVICE)
+    adv = advantages.repeat_interleave(t).to(DEVICE)
+    targets = targets.to(DEVICE)
+
+    def caller(h, w):
+        loss, _, _ = fused.lm_head_grpo_loss(
+            h, w, targets, weights, adv, fused=True, loss_type="grpo", beta=0.0
+        )
+        return loss * 2
+
+    grads = []
+    for fn in (caller, torch.compile(caller)):
+        h = hidden.to(DEVICE).clone().requires_grad_()
+        out = fn(h, weight.to(DEVICE))
+        out.backward()
+        grads.append((out.detach(), h.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
