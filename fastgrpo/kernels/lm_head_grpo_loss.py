@@ -202,6 +202,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         )
         logits = torch.empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
         pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
+        z = None
         for start in range(0, N, chunk_rows):
             end = min(start + chunk_rows, N)
             z = logits[: end - start]
@@ -231,6 +232,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                 d_hidden[start:end] = torch.mm(z, weight.to(buffer_dtype)).to(hidden.dtype)
             if need_dw:
                 _add_matmul_f32_(d_weight, z.t(), hidden[start:end].to(buffer_dtype))
+        del logits, z  # free the chunk buffer before the bf16 copy of dW: this sets the peak
         ctx.save_for_backward(d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
