@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastgrpo.kernels.lm_head_grpo_loss import _FusedLMHeadLoss, per_token_loss  # noqa: E402
+from fastgrpo.kernels.lm_head_grpo_loss import fused_token_loss, per_token_loss  # noqa: E402
 from fastgrpo.kernels.lm_head_stats import lm_head_stats_ref, lm_head_stats_triton  # noqa: E402
 
 SHAPES = [(16384, 896, 151936), (32768, 896, 151936), (8192, 3584, 152064)]
@@ -54,7 +54,7 @@ def eager_loss(hidden, weight, targets, weights, adv, old, ref):
 
 def fused_loss(hidden, weight, targets, weights, adv, old, ref):
     chunk = 2048
-    return _FusedLMHeadLoss.apply(
+    return fused_token_loss(
         hidden, weight, targets, weights, adv, old, ref, None, 1.0, chunk, SETTINGS
     )[0]
 

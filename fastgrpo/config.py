@@ -390,14 +390,6 @@ def _validate_batches(config: Config) -> None:
             f"(rollout.prompts_per_step={config.rollout.prompts_per_step} x "
             f"rollout.num_generations={config.rollout.num_generations}); choose a divisor of {rows}."
         )
-    sequence_level = (
-        config.algo.loss_type == "gspo" or config.algo.importance_sampling_level == "sequence"
-    )
-    if config.train.fused_lm_head == "on" and sequence_level:
-        raise ConfigError(
-            "train.fused_lm_head=on handles token-level ratios only; a sequence-level ratio (gspo) "
-            "takes the reference path: set train.fused_lm_head=auto or off."
-        )
     if config.algo.loss_type == "cispo" and config.algo.epsilon_high is None:
         raise ConfigError(
             "algo.loss_type=cispo caps the importance weight at algo.epsilon_high itself (as TRL does); "

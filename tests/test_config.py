@@ -84,5 +84,3 @@ def test_all_keys_lists_every_section_field():
 def test_on_and_off_read_by_yaml_as_booleans_still_mean_on_and_off():
     assert load_config(None, ["train.fused_lm_head=off"]).train.fused_lm_head == "off"
     assert load_config(None, ["train.fused_lm_head=on"]).train.fused_lm_head == "on"
-    with pytest.raises(ConfigError, match="token-level ratios only"):
-        load_config(None, ["train.fused_lm_head=on", "algo.loss_type=gspo"])

@@ -172,62 +172,66 @@ def _add_matmul_f32_(out, a, b):
         return out.add_(torch.mm(a.float(), b.float()))
 
 
+def _loss_and_grads(loss_fn, logp, entropy):
+    """loss_fn(logp, entropy) and its derivatives with respect to both (zeros where unused)."""
+    with torch.enable_grad():
+        logp_leaf = logp.detach().requires_grad_()
+        entropy_leaf = entropy.detach().requires_grad_()
+        loss = loss_fn(logp_leaf, entropy_leaf)
+        g, ge = torch.autograd.grad(loss, (logp_leaf, entropy_leaf), allow_unused=True)
+    g = torch.zeros_like(logp) if g is None else g
+    ge = torch.zeros_like(logp) if ge is None else ge
+    return loss.detach(), g.contiguous(), ge.contiguous()
+
+
 class _FusedLMHeadLoss(torch.autograd.Function):
+    """Loss and gradients in the forward call; backward scales them by the incoming gradient.
+
+    `chunk_loss(start, end, logp, entropy)` (rows independent, token-level ratios): one pass,
+    6*N*H*V FLOPs. `whole_loss(logp, entropy)` (rows coupled, e.g. GSPO's sequence ratio): a
+    statistics pass over all rows, then the gradient pass recomputes each chunk's logits,
+    8*N*H*V FLOPs. Exactly one of the two is given.
+    """
+
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        targets,
-        weights,
-        advantages,
-        old_logp,
-        ref_logp,
-        sampling_logp,
-        temperature,
-        chunk_rows,
-        settings,
-    ):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, chunk_loss, whole_loss):
         N, H = hidden.shape
         V = weight.shape[0]
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.zeros_like(hidden) if need_dh else None
         d_weight = torch.zeros(V, H, dtype=torch.float32, device=weight.device) if need_dw else None
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(logp)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        chunks = [(start, min(start + chunk_rows, N)) for start in range(0, N, chunk_rows)]
+        if whole_loss is not None:
+            for start, end in chunks:
+                stats = lm_head_stats_triton(
+                    hidden[start:end], weight, targets[start:end], temperature
+                )
+                logp[start:end], entropy[start:end], lse[start:end] = stats
+            loss, g_all, ge_all = _loss_and_grads(whole_loss, logp, entropy)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         # bf16 logits for bf16 models; fp32 for fp32 models and under the interpreter (no bf16)
         buffer_dtype = (
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
         logits = torch.empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
-        pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
         z = None
-        for start in range(0, N, chunk_rows):
-            end = min(start + chunk_rows, N)
+        for start, end in chunks:
             z = logits[: end - start]
-            lp, ent, lse = lm_head_stats_triton(
+            lp, ent, chunk_lse = lm_head_stats_triton(
                 hidden[start:end], weight, targets[start:end], temperature, logits_out=z
             )
-            logp[start:end], entropy[start:end] = lp, ent
-            with torch.enable_grad():
-                lp_leaf = lp.detach().requires_grad_()
-                ent_leaf = ent.detach().requires_grad_()
-                terms = per_token_loss(
-                    lp_leaf,
-                    pick(old_logp, start, end),
-                    pick(ref_logp, start, end),
-                    advantages[start:end],
-                    ent_leaf,
-                    pick(sampling_logp, start, end),
-                    **settings,
+            if whole_loss is None:
+                logp[start:end], entropy[start:end] = lp, ent
+                part, g, ge = _loss_and_grads(
+                    lambda a, b, s=start, e=end: chunk_loss(s, e, a, b), lp, ent
                 )
-                chunk_loss = (weights[start:end] * terms).sum()
-                g, ge = torch.autograd.grad(chunk_loss, (lp_leaf, ent_leaf), allow_unused=True)
-            loss += chunk_loss.detach()
-            g = torch.zeros_like(lp) if g is None else g
-            ge = torch.zeros_like(lp) if ge is None else ge
-            _dlogits_(z, targets[start:end], lse, ent, g.contiguous(), ge.contiguous(), temperature)
+                loss += part
+            else:  # the recomputed statistics are bitwise those of the first pass
+                g, ge = g_all[start:end], ge_all[start:end]
+            _dlogits_(z, targets[start:end], chunk_lse, ent, g, ge, temperature)
             if need_dh:
                 d_hidden[start:end] = torch.mm(z, weight.to(buffer_dtype)).to(hidden.dtype)
             if need_dw:
@@ -242,7 +246,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         d_hidden = None if d_hidden is None else d_hidden * grad_loss.to(d_hidden.dtype)
         d_weight = None if d_weight is None else d_weight * grad_loss.to(d_weight.dtype)
-        return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -250,6 +254,65 @@ def _fused_apply(*args):
     """The fused call stays opaque to torch.compile: a compiled caller breaks its graph here and
     runs the chunk loop and Triton launches eagerly (they gain nothing from tracing)."""
     return _FusedLMHeadLoss.apply(*args)
+
+
+def fused_token_loss(
+    hidden,
+    weight,
+    targets,
+    weights,
+    advantages,
+    old_logp,
+    ref_logp,
+    sampling_logp,
+    temperature,
+    chunk_rows,
+    settings,
+):
+    """The one-pass fused call for token-level losses: sum(weights * per_token_loss)."""
+    pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
+
+    def chunk_loss(start, end, logp, entropy):
+        terms = per_token_loss(
+            logp,
+            pick(old_logp, start, end),
+            pick(ref_logp, start, end),
+            advantages[start:end],
+            entropy,
+            pick(sampling_logp, start, end),
+            **settings,
+        )
+        return (weights[start:end] * terms).sum()
+
+    return _fused_apply(hidden, weight, targets, temperature, chunk_rows, chunk_loss, None)
+
+
+def _chunk_rows(weight, chunk_bytes) -> int:
+    return max(128, chunk_bytes // (2 * weight.shape[0]) // 128 * 128)
+
+
+def lm_head_policy_loss(
+    hidden,
+    weight,
+    targets,
+    loss_fn,
+    *,
+    temperature=1.0,
+    chunk_bytes=DEFAULT_CHUNK_BYTES,
+    fused=None,
+):
+    """(loss, logp, entropy) for any loss of the rows' log-probs and entropies, `loss_fn(logp,
+    entropy) -> scalar` (e.g. `algo.policy_loss` with a sequence-level ratio). The fused path is
+    two passes (8*N*H*V FLOPs) with no [N, V] logits beyond one chunk; the reference elsewhere.
+    """
+    if fused is None:
+        fused = triton is not None and hidden.is_cuda
+    if not fused:
+        logp, entropy = lm_head_logprob_ref(hidden, weight, targets, temperature, with_entropy=True)
+        return loss_fn(logp, entropy), logp.detach(), entropy.detach()
+    return _fused_apply(
+        hidden, weight, targets, temperature, _chunk_rows(weight, chunk_bytes), None, loss_fn
+    )
 
 
 def lm_head_grpo_loss(
@@ -277,7 +340,9 @@ def lm_head_grpo_loss(
     if fused is None:
         fused = triton is not None and hidden.is_cuda
     if settings.get("loss_type", "grpo") not in TOKEN_LEVEL_LOSSES:
-        fused = False  # a sequence-level ratio couples rows: the reference handles it
+        raise ValueError(
+            "lm_head_grpo_loss takes token-level losses; use lm_head_policy_loss for GSPO"
+        )
     if not fused:
         return lm_head_grpo_loss_ref(
             hidden,
@@ -291,8 +356,7 @@ def lm_head_grpo_loss(
             temperature=temperature,
             **settings,
         )
-    chunk_rows = max(128, chunk_bytes // (2 * weight.shape[0]) // 128 * 128)
-    return _fused_apply(
+    return fused_token_loss(
         hidden,
         weight,
         targets,
@@ -302,6 +366,6 @@ def lm_head_grpo_loss(
         ref_logp,
         sampling_logp,
         temperature,
-        chunk_rows,
+        _chunk_rows(weight, chunk_bytes),
         settings,
     )

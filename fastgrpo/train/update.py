@@ -15,7 +15,12 @@ import torch
 
 from fastgrpo.algo import policy_loss
 from fastgrpo.config import Config
-from fastgrpo.kernels.lm_head_grpo_loss import TOKEN_LEVEL_LOSSES, lm_head_grpo_loss, token_weights
+from fastgrpo.kernels.lm_head_grpo_loss import (
+    TOKEN_LEVEL_LOSSES,
+    lm_head_grpo_loss,
+    lm_head_policy_loss,
+    token_weights,
+)
 from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.rollout import Rollout
 from fastgrpo.train.batching import plan_micro_batches
@@ -59,12 +64,9 @@ def loss_settings(config: Config) -> dict:
 
 
 def use_fused_lm_head(config: Config, model) -> bool:
-    """Whether the update runs the fused LM-head + loss kernels (token-level ratios only)."""
-    mode, a = config.train.fused_lm_head, config.algo
-    token_level = a.loss_type in TOKEN_LEVEL_LOSSES and a.importance_sampling_level == "token"
-    if mode == "off" or not token_level:
-        return False
-    return mode == "on" or (triton is not None and model.device.type == "cuda")
+    """Whether the update runs the fused LM-head + loss kernels."""
+    mode = config.train.fused_lm_head
+    return mode == "on" or (mode == "auto" and triton is not None and model.device.type == "cuda")
 
 
 def micro_batch_loss(config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings):
@@ -96,29 +98,56 @@ def fused_micro_batch_loss(
     mask = mb.rollout.completion_mask
     keep = mask.bool()  # (b, Tc)
     hidden = completion_hidden(model, mb.rollout)  # (b, Tc, H)
-    weights = token_weights(
-        mask,
-        config.algo.loss_type,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        max_completion_length=config.rollout.max_new_tokens,
-    )  # (b, Tc)
-    rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
-    pick = lambda x: None if x is None else x[keep]  # noqa: E731
-    token_settings = {k: v for k, v in settings.items() if k in PER_TOKEN_SETTINGS}
-    loss, logp, entropy = lm_head_grpo_loss(
-        hidden[keep],
-        model.get_output_embeddings().weight,
-        mb.rollout.completion_ids[keep],
-        weights[keep],
-        rows[keep],
-        old_logp=pick(mb.old_logp),
-        ref_logp=pick(mb.ref_logp),
-        sampling_logp=pick(mb.rollout.sampling_logp),
-        temperature=config.rollout.temperature,
-        fused=True,
-        **token_settings,
-    )
+    weight = model.get_output_embeddings().weight  # (V, H)
+    a = config.algo
+    if a.loss_type in TOKEN_LEVEL_LOSSES and a.importance_sampling_level == "token":  # one pass
+        weights = token_weights(
+            mask,
+            config.algo.loss_type,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            max_completion_length=config.rollout.max_new_tokens,
+        )  # (b, Tc)
+        rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
+        pick = lambda x: None if x is None else x[keep]  # noqa: E731
+        token_settings = {k: v for k, v in settings.items() if k in PER_TOKEN_SETTINGS}
+        loss, logp, entropy = lm_head_grpo_loss(
+            hidden[keep],
+            weight,
+            mb.rollout.completion_ids[keep],
+            weights[keep],
+            rows[keep],
+            old_logp=pick(mb.old_logp),
+            ref_logp=pick(mb.ref_logp),
+            sampling_logp=pick(mb.rollout.sampling_logp),
+            temperature=config.rollout.temperature,
+            fused=True,
+            **token_settings,
+        )
+    else:  # a sequence-level ratio couples the rows of a sequence: two passes
+
+        def whole_loss(packed_logp, packed_entropy):
+            return policy_loss(
+                unpack(keep, packed_logp),
+                mb.old_logp,
+                mb.ref_logp,
+                mb.advantages,
+                mask,
+                entropy=unpack(keep, packed_entropy),
+                sampling_logp=mb.rollout.sampling_logp,
+                num_sequences=num_sequences,
+                num_tokens=num_tokens,
+                **settings,
+            )[0]
+
+        loss, logp, entropy = lm_head_policy_loss(
+            hidden[keep],
+            weight,
+            mb.rollout.completion_ids[keep],
+            whole_loss,
+            temperature=config.rollout.temperature,
+            fused=True,
+        )
     with torch.no_grad():
         _, parts = policy_loss(
             unpack(keep, logp),

@@ -89,7 +89,7 @@ def test_fused_loss_and_gradients_match_the_float64_reference(settings, chunk_ro
     old, ref = (base + noise.float()), (base - noise.float())
     h, w = hidden.to(DEVICE).clone().requires_grad_(), weight.to(DEVICE).clone().requires_grad_()
     dev = lambda x: x.to(DEVICE)  # noqa: E731
-    loss, logp, entropy = fused._FusedLMHeadLoss.apply(
+    loss, logp, entropy = fused.fused_token_loss(
         h,
         w,
         dev(targets),
@@ -128,7 +128,7 @@ def test_frozen_weight_gets_no_gradient_and_masked_rows_none():
     t = mask.shape[1]
     weights = fused.token_weights(mask, "grpo").reshape(-1)
     h = hidden.to(DEVICE).clone().requires_grad_()
-    loss, _, _ = fused._FusedLMHeadLoss.apply(
+    loss, _, _ = fused.fused_token_loss(
         h,
         weight.to(DEVICE),
         targets.to(DEVICE),
@@ -155,7 +155,7 @@ def test_training_log_probs_are_bitwise_the_scoring_log_probs():
     args = [x.to(DEVICE) for x in (hidden, weight, targets)]
     scored, _, _ = lm_head_stats_triton(*args, 0.7)
     weights = fused.token_weights(mask, "grpo").reshape(-1).to(DEVICE)
-    _, trained, _ = fused._FusedLMHeadLoss.apply(
+    _, trained, _ = fused.fused_token_loss(
         *args,
         weights,
         advantages.repeat_interleave(t).to(DEVICE),
@@ -190,3 +190,47 @@ def test_fused_loss_works_inside_a_torch_compiled_caller():
         grads.append((out.detach(), h.grad))
     assert torch.equal(grads[0][0], grads[1][0])
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_rows", [4, 128])
+def test_two_pass_fused_path_matches_reference_for_sequence_level_gspo(chunk_rows):
+    hidden, weight, targets, mask, advantages, noise = _batch(5)
+    b, t = mask.shape
+    keep = mask.bool()
+    with torch.no_grad():
+        base, _ = lm_head_logprob_ref(hidden, weight, targets, 0.9)
+    old = (base + noise.float()).view(b, t)
+
+    def gspo(logp, entropy):
+        full = torch.zeros(b, t, dtype=logp.dtype, device=logp.device).masked_scatter(
+            keep.to(logp.device), logp
+        )
+        ent = torch.zeros_like(full).masked_scatter(keep.to(logp.device), entropy)
+        loss, _ = policy_loss(
+            full,
+            old.to(full),
+            None,
+            advantages.to(full),
+            mask.to(full.device),
+            entropy=ent,
+            loss_type="gspo",
+            epsilon_low=3e-4,
+            epsilon_high=4e-4,
+            entropy_coef=0.01,
+        )
+        return loss
+
+    rows = keep.reshape(-1)
+    h = hidden[rows].to(DEVICE).clone().requires_grad_()
+    w = weight.to(DEVICE).clone().requires_grad_()
+    loss, logp, _ = fused._fused_apply(h, w, targets[rows].to(DEVICE), 0.9, chunk_rows, None, gspo)
+    loss.backward()
+    h64, w64 = hidden[rows].double().requires_grad_(), weight.double().requires_grad_()
+    want, want_logp, _ = fused.lm_head_policy_loss(
+        h64, w64, targets[rows], gspo, temperature=0.9, fused=False
+    )
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(abs(want.item()), 1e-3)
+    assert (logp.cpu().double() - want_logp).abs().max() <= 1e-4
+    assert torch.allclose(h.grad.cpu().double(), h64.grad, atol=1e-4, rtol=1e-3)
+    assert torch.allclose(w.grad.cpu().double(), w64.grad, atol=1e-4, rtol=1e-3)

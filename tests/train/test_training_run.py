@@ -333,8 +333,17 @@ def test_every_algorithm_variant_trains_through_the_loop(settings, tiny_model_di
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"algo.beta": 0.05, "train.num_iterations": 2, "algo.loss_type": "dapo"}],
-    ids=["grpo", "dapo_kl_two_epochs"],
+    [
+        {},
+        {"algo.beta": 0.05, "train.num_iterations": 2, "algo.loss_type": "dapo"},
+        {
+            "algo.loss_type": "gspo",
+            "algo.epsilon_low": 3e-4,
+            "algo.epsilon_high": 4e-4,
+            "train.num_iterations": 2,
+        },
+    ],
+    ids=["grpo", "dapo_kl_two_epochs", "gspo_two_pass"],
 )
 def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model_dir, tmp_path):
     reward_file = write_test_rewards(tmp_path)
