@@ -13,9 +13,10 @@ Why: the `[tokens, vocab]` logits are where GRPO spends its memory (5 GB in bf16
 a 152k vocabulary); this path never holds more than one chunk of them.
 
 Reference: `lm_head_grpo_loss_ref` (autograd through fp32 logits and the same per-token loss).
-The per-token loss mirrors `fastgrpo.algo.policy_loss` for token-level ratios (every loss type but
-GSPO's sequence-level ratio, which takes the reference path); the weights `token_weights` turn
-each aggregation (sequence mean, token mean, constant length) into a weighted token sum.
+The per-token loss mirrors `fastgrpo.algo.policy_loss` for token-level ratios; the weights
+`token_weights` turn each aggregation (sequence mean, token mean, constant length) into a weighted
+token sum. A sequence-level ratio (GSPO) couples rows, so `lm_head_policy_loss` takes two passes:
+statistics for all rows, then the gradient pass with the logits recomputed (8*N*H*V FLOPs).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ if triton is not None:
     import triton.language as tl
 
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: 2048 rows at a 152k vocabulary
+DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: ~2k rows at a 152k vocabulary
 
 
 def token_weights(
@@ -50,10 +51,9 @@ def token_weights(
         return m / m.sum(-1, keepdim=True).clamp(min=1.0) / sequences
     if loss_type == "dr_grpo":
         return m / (sequences * max_completion_length)
+    # as_tensor keeps a device tensor on the device: no host sync
     tokens = (
-        m.sum()
-        if num_tokens is None
-        else torch.as_tensor(float(num_tokens), dtype=dtype, device=m.device)
+        m.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=m.device).to(dtype)
     )
     return m / tokens.clamp(min=1.0)
 
