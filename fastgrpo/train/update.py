@@ -69,23 +69,29 @@ def use_fused_lm_head(config: Config, model) -> bool:
     return mode == "on" or (mode == "auto" and triton is not None and model.device.type == "cuda")
 
 
-def micro_batch_loss(config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings):
-    """Reference path: (B, Tc) log-probs with autograd, then `policy_loss`."""
-    logp, entropy = completion_logprobs(
-        model, mb.rollout, temperature=config.rollout.temperature, with_entropy=True
-    )
+def _policy_loss_on(mb: MicroBatch, logp, entropy, num_sequences, num_tokens, settings):
+    """`policy_loss` on a micro-batch's (b, Tc) log-probs and entropies."""
     return policy_loss(
         logp,
         mb.old_logp,
         mb.ref_logp,
         mb.advantages,
         mb.rollout.completion_mask,
-        entropy=entropy if config.algo.entropy_coef else entropy.detach(),
+        entropy=entropy,
         sampling_logp=mb.rollout.sampling_logp,
         num_sequences=num_sequences,
         num_tokens=num_tokens,
         **settings,
     )
+
+
+def micro_batch_loss(config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings):
+    """Reference path: (B, Tc) log-probs with autograd, then `policy_loss`."""
+    logp, entropy = completion_logprobs(
+        model, mb.rollout, temperature=config.rollout.temperature, with_entropy=True
+    )
+    entropy = entropy if config.algo.entropy_coef else entropy.detach()
+    return _policy_loss_on(mb, logp, entropy, num_sequences, num_tokens, settings)
 
 
 def fused_micro_batch_loss(
@@ -127,17 +133,9 @@ def fused_micro_batch_loss(
     else:  # a sequence-level ratio couples the rows of a sequence: two passes
 
         def whole_loss(packed_logp, packed_entropy):
-            return policy_loss(
-                unpack(keep, packed_logp),
-                mb.old_logp,
-                mb.ref_logp,
-                mb.advantages,
-                mask,
-                entropy=unpack(keep, packed_entropy),
-                sampling_logp=mb.rollout.sampling_logp,
-                num_sequences=num_sequences,
-                num_tokens=num_tokens,
-                **settings,
+            full_logp, full_entropy = unpack(keep, packed_logp), unpack(keep, packed_entropy)
+            return _policy_loss_on(
+                mb, full_logp, full_entropy, num_sequences, num_tokens, settings
             )[0]
 
         loss, logp, entropy = lm_head_policy_loss(
@@ -149,18 +147,8 @@ def fused_micro_batch_loss(
             fused=True,
         )
     with torch.no_grad():
-        _, parts = policy_loss(
-            unpack(keep, logp),
-            mb.old_logp,
-            mb.ref_logp,
-            mb.advantages,
-            mask,
-            entropy=unpack(keep, entropy),
-            sampling_logp=mb.rollout.sampling_logp,
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            **settings,
-        )
+        full_logp, full_entropy = unpack(keep, logp), unpack(keep, entropy)
+        _, parts = _policy_loss_on(mb, full_logp, full_entropy, num_sequences, num_tokens, settings)
     return loss, parts
 
 
