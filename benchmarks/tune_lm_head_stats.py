@@ -1,11 +1,16 @@
-"""Block-size sweep for the LM-head statistics kernel (scoring: log-prob + entropy).
+"""Block-size and vocabulary-split sweep for the LM-head statistics kernel.
 
-Times each (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) on the issue's shapes and prints a table,
-then one JSON line. The chosen default lives in `fastgrpo.kernels.lm_head_stats._blocks`.
+For each (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and number of vocabulary splits, times scoring
+(log-prob + entropy) and the fused GRPO loss forward + backward (which runs the same kernel with the
+logits store) on the issue's shapes, checks the log-probs against the fp32 reference, and prints a
+table, then one JSON line. The chosen defaults live in `fastgrpo.kernels.lm_head_stats._blocks`
+and `_num_splits`. Run on a CUDA GPU:  python benchmarks/tune_lm_head_stats.py [--shapes 16384x896]
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -15,51 +20,100 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_logprob import fused_loss, make_inputs  # noqa: E402
+
 from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
 
 CONFIGS = [
     (128, 128, 64, 8, 3),
-    (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4),
+    (128, 128, 64, 8, 4),
     (128, 128, 128, 8, 3),
-    (64, 256, 64, 4, 4),
     (256, 128, 64, 8, 3),
-    (128, 128, 64, 4, 4),
-    (256, 128, 64, 8, 4),
+    (256, 128, 64, 16, 3),
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 16, 3),
+    (256, 256, 64, 16, 2),
 ]
-SHAPES = [(16384, 896, 151936), (8192, 3584, 152064)]
+
+
+def sweep_shape(n, h, v, *, train, configs, splits_list, flats):
+    default_splits = ops._num_splits
+    inputs = make_inputs(n, h, v)
+    hidden, weight, targets = inputs[0].detach(), inputs[1].detach(), inputs[2]
+    want = ops.lm_head_stats_ref(hidden[:512], weight, targets[:512])[0]
+
+    def step():
+        inputs[0].grad = inputs[1].grad = None
+        fused_loss(*inputs).backward()
+
+    rows = []
+    for config, splits, flat in itertools.product(configs, splits_list, flats):
+        ops._blocks = lambda _h, c=config: c
+        ops._FLAT_LOOP = flat
+        ops._num_splits = default_splits if splits is None else (lambda _v, _b, s=splits: s)
+        row = {"shape": [n, h, v], "config": config, "splits": splits or "auto", "flat": flat}
+        try:
+            logp = ops.lm_head_stats_triton(hidden[:512], weight, targets[:512])[0]
+            row["logp_err"] = (logp - want).abs().max().item()
+            row["score_ms"] = do_bench(
+                lambda: ops.lm_head_stats_triton(hidden, weight, targets),
+                warmup=10,
+                rep=200,
+                return_mode="median",
+            )
+            row["score_tflops"] = 2 * n * h * v / row["score_ms"] / 1e9
+            if train:
+                row["train_ms"] = do_bench(step, warmup=3, rep=300, return_mode="median")
+        except Exception as error:  # a config that does not compile (shared memory)
+            row["error"] = str(error).splitlines()[0][:120]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    ops._num_splits = default_splits
+    return rows
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="16384x896x151936,8192x3584x152064")
+    parser.add_argument("--no-train", action="store_true", help="time scoring only")
+    parser.add_argument("--configs", help="e.g. 128,128,64,8,3;128,128,128,8,3")
+    parser.add_argument("--splits", default="auto,18,66")
+    parser.add_argument("--flat", default="0", help="loop shapes to try: 0 nested, 1 flat")
+    args = parser.parse_args()
+    configs = (
+        [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
+        if args.configs
+        else CONFIGS
+    )
+    splits_list = [None if s == "auto" else int(s) for s in args.splits.split(",")]
+    flats = [bool(int(f)) for f in args.flat.split(",")]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows = []
-    for n, h, v in SHAPES:
-        hidden = torch.randn(n, h, device="cuda").bfloat16()
-        weight = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16()
-        targets = torch.randint(0, v, (n,), device="cuda")
-        for config in CONFIGS:
-            ops._blocks = lambda _h, c=config: c
-            try:
-                ms = do_bench(
-                    lambda args=(hidden, weight, targets): ops.lm_head_stats_triton(*args),
-                    warmup=25,
-                    rep=300,
-                    return_mode="median",
-                )
-                rows.append(
-                    {
-                        "shape": [n, h, v],
-                        "config": config,
-                        "ms": ms,
-                        "tflops": 2 * n * h * v / ms / 1e9,
-                    }
-                )
-            except Exception as error:  # a config that does not compile (shared memory) is skipped
-                rows.append({"shape": [n, h, v], "config": config, "error": str(error)[:120]})
+    for n, h, v in shapes:
+        rows += sweep_shape(
+            n,
+            h,
+            v,
+            train=not args.no_train,
+            configs=configs,
+            splits_list=splits_list,
+            flats=flats,
+        )
+        torch.cuda.empty_cache()
+    print(
+        f"{'shape':<20} {'config':<24} {'splits':>6} {'score ms':>9} {'TFLOP/s':>8} {'train ms':>9}"
+    )
     for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "error" in r:
+            print(
+                f"{shape:<20} {str(r['config']):<24} {r['splits']:>6} {r['flat']:>5} {r['error']}"
+            )
+            continue
         print(
-            r["shape"],
-            r["config"],
-            f"{r['ms']:.2f} ms {r['tflops']:.0f} TFLOP/s" if "ms" in r else r["error"],
+            f"{shape:<20} {str(r['config']):<24} {r['splits']:>6} {r['flat']!s:>5} "
+            f"{r['score_ms']:>9.2f} "
+            f"{r['score_tflops']:>8.0f} {r.get('train_ms', float('nan')):>9.2f}"
         )
     print(
         json.dumps(

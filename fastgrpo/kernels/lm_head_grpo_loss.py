@@ -130,24 +130,31 @@ if triton is not None:
         lse_ptr,
         ent_ptr,
         g_ptr,
-        ge_ptr,  # z: (C, V) bf16, in place
+        ge_ptr,  # z: (C, V) base-2 logits log2(e) * z / T (bf16), overwritten in place
         V,
         inv_temp,
         BLOCK_V: tl.constexpr,
     ):
-        """z <- (g * (onehot - p) - ge * p * (log p + H)) / T for one row and one vocabulary block."""
+        """dz = (g * (onehot - p) - ge * p * (log p + H)) / T for one row and one vocabulary block.
+
+        A row with g = ge = 0 (zero advantage, masked, clipped) only writes zeros: no reads.
+        """
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = cols < V
         g = tl.load(g_ptr + row)
         ge = tl.load(ge_ptr + row)
-        lse = tl.load(lse_ptr + row)
-        ent = tl.load(ent_ptr + row)
-        target = tl.load(tgt_ptr + row).to(tl.int64)
-        z = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
-        log_p = z - lse
-        p = tl.exp(log_p)
-        dz = g * (tl.where(cols == target, 1.0, 0.0) - p) - ge * p * (log_p + ent)
+        if (g == 0.0) & (ge == 0.0):
+            dz = tl.zeros([BLOCK_V], tl.float32)
+        else:
+            lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+            ent = tl.load(ent_ptr + row)
+            target = tl.load(tgt_ptr + row).to(tl.int64)
+            z2 = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
+            log2_p = z2 - lse2
+            p = tl.exp2(log2_p)
+            dz = g * (tl.where(cols == target, 1.0, 0.0) - p)
+            dz -= ge * p * (log2_p * 0.6931471805599453 + ent)
         tl.store(
             z_ptr + row * stride_zn + cols, (dz * inv_temp).to(z_ptr.dtype.element_ty), mask=ok
         )

@@ -23,10 +23,12 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the reference path serves
     triton = None
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
@@ -41,41 +43,108 @@ def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
 
 
 def combine_stats(m, s, t, pz):
-    """Merge per-split statistics (S, N) into (logp, entropy, lse), each (N,) fp32."""
+    """Merge per-split base-2 statistics (S, N) into (logp, entropy, lse), each (N,) fp32.
+
+    The kernel keeps its statistics in base 2 (z2 = log2(e) * logits / T, so each tile needs one
+    exp2 and no extra multiply): m the running max of z2, s the sum of 2^(z2 - m), t the target's
+    z2, pz the sum of 2^(z2 - m) * z2.
+    """
     top = m.max(0).values  # (N,)
-    scale = torch.exp(m - top)  # (S, N)
+    scale = torch.exp2(m - top)  # (S, N)
     total = (s * scale).sum(0)
-    lse = top + torch.log(total)
-    logp = t.sum(0) - lse
-    entropy = lse - (pz * scale).sum(0) / total
-    return logp, entropy, lse
+    lse2 = top + torch.log2(total)
+    logp = (t.sum(0) - lse2) * LN2
+    entropy = (lse2 - (pz * scale).sum(0) / total) * LN2
+    return logp, entropy, lse2 * LN2
 
 
 if triton is not None:
 
     @triton.jit
+    def _dot_step(
+        h_desc,
+        w_desc,
+        row0,
+        tile,
+        ki,
+        acc,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """acc += hidden[row block, k step] @ weight[tile's columns, k step]^T, both operands by
+        bulk tensor copies (TMA): out-of-range rows and columns arrive as zeros."""
+        a = h_desc.load([row0, ki * BLOCK_K])
+        b = w_desc.load([tile * BLOCK_N, ki * BLOCK_K])
+        return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
+    def _fold_tile(
+        acc,
+        z_ptr,
+        stride_zn,
+        rows,
+        row_ok,
+        targets,
+        tile,
+        V,
+        scale2,
+        running_max,
+        running_sum,
+        running_pz,
+        target_logit,
+        BLOCK_N: tl.constexpr,
+        EVEN_V: tl.constexpr,
+        STORE_LOGITS: tl.constexpr,
+        WITH_ENTROPY: tl.constexpr,
+    ):
+        """Fold one fp32 logits tile into the running base-2 statistics (and store it)."""
+        n_range = tl.arange(0, BLOCK_N)
+        cols = tile.to(tl.int64) * BLOCK_N + n_range
+        col_ok = cols < V
+        z2 = acc * scale2  # (BM, BN) base-2 logits at the temperature
+        if STORE_LOGITS:  # for the gradient pass; the statistics below stay fp32
+            tl.store(
+                z_ptr + rows[:, None] * stride_zn + cols[None, :],
+                z2.to(z_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+        if not EVEN_V:  # a large finite floor: 2^(floor - max) is 0 and 0 * floor is 0
+            z2 = tl.where(col_ok[None, :], z2, -1.0e30)
+        new_max = tl.maximum(running_max, tl.max(z2, 1))
+        p = tl.exp2(z2 - new_max[:, None])
+        alpha = tl.exp2(running_max - new_max)
+        running_sum = running_sum * alpha + tl.sum(p, 1)
+        if WITH_ENTROPY:
+            running_pz = running_pz * alpha + tl.sum(p * z2, 1)
+        local = (targets - tile.to(tl.int64) * BLOCK_N).to(tl.int32)  # in-tile target column
+        hit = n_range[None, :] == local[:, None]
+        target_logit += tl.sum(tl.where(hit, z2, 0.0), 1)
+        return new_max, running_sum, running_pz, target_logit
+
+    @triton.jit
     def _lm_head_stats_kernel(
-        h_ptr,
-        w_ptr,
-        tgt_ptr,  # (N, H), (V, H), (N,)
+        h_desc,
+        w_desc,  # tensor descriptors of hidden (N, H) and weight (V, H), blocks (BM, BK), (BN, BK)
+        tgt_ptr,  # (N,)
         m_ptr,
         s_ptr,
         t_ptr,
         pz_ptr,  # each (S, N) fp32
-        z_ptr,  # (N, V) logits at the temperature (bf16 on GPUs), written only when STORE_LOGITS
+        z_ptr,  # (N, V) base-2 logits log2(e) * z / T (bf16 on GPUs), written when STORE_LOGITS
         N,
         V,
         H,
-        stride_hn,
-        stride_wv,
         stride_zn,
-        inv_temp,
+        scale2,  # log2(e) / temperature, a run-time argument
         n_splits,
         tiles_per_split,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        EVEN_V: tl.constexpr,  # V % BLOCK_N == 0: no partially filled vocabulary tile
         STORE_LOGITS: tl.constexpr,
+        WITH_ENTROPY: tl.constexpr,
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     ):
         pid_m = tl.program_id(0)
@@ -83,47 +152,41 @@ if triton is not None:
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
         targets = tl.load(tgt_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        k_range = tl.arange(0, BLOCK_K)
+        n_tiles = tl.cdiv(V, BLOCK_N)
+        k_tiles = tl.cdiv(H, BLOCK_K)
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
         target_logit = tl.zeros([BLOCK_M], tl.float32)
         running_pz = tl.zeros([BLOCK_M], tl.float32)
-        # tiles split, split + S, ...; the last may lie past V (then fully masked, adding nothing)
+        row0 = pid_m * BLOCK_M
+        # tiles split, split + S, ...; the last may lie past V (then skipped)
         for i in range(0, tiles_per_split):
             tile = split + i * n_splits
-            cols = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < V
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                ks = k0 + k_range
-                k_ok = ks < H
-                a = tl.load(
-                    h_ptr + rows[:, None] * stride_hn + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
+            for ki in range(0, k_tiles):
+                acc = _dot_step(
+                    h_desc, w_desc, row0, tile, ki, acc, BLOCK_N, BLOCK_K, DOT_PRECISION
                 )
-                b = tl.load(
-                    w_ptr + cols[:, None] * stride_wv + ks[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0,
+            if tile < n_tiles:
+                running_max, running_sum, running_pz, target_logit = _fold_tile(
+                    acc,
+                    z_ptr,
+                    stride_zn,
+                    rows,
+                    row_ok,
+                    targets,
+                    tile,
+                    V,
+                    scale2,
+                    running_max,
+                    running_sum,
+                    running_pz,
+                    target_logit,
+                    BLOCK_N,
+                    EVEN_V,
+                    STORE_LOGITS,
+                    WITH_ENTROPY,
                 )
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-            z = acc * inv_temp  # (BM, BN) logits at the temperature
-            if STORE_LOGITS:  # for the gradient pass; the statistics below stay fp32
-                tl.store(
-                    z_ptr + rows[:, None] * stride_zn + cols[None, :],
-                    z.to(z_ptr.dtype.element_ty),
-                    mask=row_ok[:, None] & col_ok[None, :],
-                )
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(z, 1))
-            alpha = tl.exp2((running_max - new_max) * 1.4426950408889634)
-            p = tl.exp2((z - new_max[:, None]) * 1.4426950408889634)
-            running_sum = running_sum * alpha + tl.sum(p, 1)
-            running_pz = running_pz * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), 1)
-            hit = cols[None, :] == targets[:, None]
-            target_logit += tl.sum(tl.where(hit, z, 0.0), 1)
-            running_max = new_max
         out = split.to(tl.int64) * N + rows
         tl.store(m_ptr + out, running_max, mask=row_ok)
         tl.store(s_ptr + out, running_sum, mask=row_ok)
@@ -135,28 +198,47 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _blocks(H: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for this device."""
+def _tma_ready(x):
+    """x itself when a bulk tensor copy (TMA) can read it: row-major, rows and base 16-byte aligned.
+    Otherwise a copy with zero columns appended (they add nothing to the dot products)."""
+    if x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0:
+        return x
+    align = 16 // x.element_size()
+    padded = x.new_zeros(x.shape[0], triton.cdiv(x.shape[1], align) * align)
+    padded[:, : x.shape[1]] = x
+    return padded
+
+
+def _blocks(H: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]) for this device."""
     if _interpreting():
         return 16, 32, 16, 4, 1
-    # Measured on the H100 (benchmarks/tune_lm_head_stats.py): for scoring alone, 256-wide vocabulary
-    # tiles win at H=3584 (18.9 vs 22.4 ms) and lose at H=896 (12.3 vs 10.8 ms); in the fused
-    # training call at H=3584 they lost (68.7 vs 64.5 ms). Scoring and training must share one
-    # configuration to agree bitwise, so 128 everywhere for now.
-    return 128, 128, 64, 8, 3
+    # Measured on the H100 with TMA loads (benchmarks/tune_lm_head_stats.py, NOTES.md): 128x256
+    # tiles, 64-wide k steps, 8 warps, 3 stages are the fastest at H=896 and H=3584 for scoring
+    # (7.4 and 14.1 ms) and inside the fused training call. Scoring and training must share one
+    # configuration to agree bitwise.
+    return 128, 256, 64, 8, 3
 
 
 def _num_splits(V: int, block_n: int) -> int:
-    """Vocabulary splits per row block: a function of V alone, so that any chunking of the rows
-    gives bitwise the same statistics (scoring and training then agree exactly)."""
+    """Vocabulary splits per row block: a function of V (and the device) alone, so that any
+    chunking of the rows gives bitwise the same statistics (scoring and training agree exactly).
+    On a GPU, a quarter of the multiprocessor count: every 4 row blocks then fill whole waves."""
     n_tiles = triton.cdiv(V, block_n)
-    return max(1, min(32, n_tiles // 64, n_tiles))
+    if _interpreting() or not torch.cuda.is_available():
+        return max(1, min(32, n_tiles // 64, n_tiles))
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return max(1, min(max(1, sms // 4), n_tiles // 16, n_tiles))
 
 
-def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0, logits_out=None):
-    """(logp, entropy, lse), each (N,) fp32, with the Triton kernel. No autograd.
+def lm_head_stats_triton(
+    hidden, weight, targets, temperature: float = 1.0, logits_out=None, with_entropy: bool = True
+):
+    """(logp, entropy | None, lse), each (N,) fp32, with the Triton kernel. No autograd.
 
-    `logits_out` (N, V) (bf16 on GPUs), when given, receives the logits at the temperature.
+    `logits_out` (N, V) (bf16 on GPUs), when given, receives the base-2 logits at the temperature,
+    log2(e) * z / T (what the gradient kernel reads). Without `with_entropy` the epilogue skips the
+    entropy sum and None is returned in its place.
     """
     if triton is None:
         raise RuntimeError("the Triton LM-head kernel needs `pip install triton`")
@@ -175,9 +257,8 @@ def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0, logi
         # The interpreter (numpy) has no bf16; fp32 copies are exact, and the GPU's bf16 dot
         # multiplies exactly and accumulates in fp32, so the function computed is the same.
         hidden, weight = hidden.float(), weight.float()
-    hidden = hidden.contiguous() if hidden.stride(1) != 1 else hidden
-    weight = weight.contiguous() if weight.stride(1) != 1 else weight
-    block_m, block_n, block_k, warps, stages = _blocks(H)
+    hidden, weight = _tma_ready(hidden), _tma_ready(weight)
+    block_m, block_n, block_k, warps, stages, *extra = _blocks(H)
     splits = _num_splits(V, block_n)
     stats = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
     store = logits_out is not None
@@ -185,9 +266,10 @@ def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0, logi
         raise ValueError(f"logits_out must be a row-major ({N}, {V}) tensor")
     if N > 0:
         grid = (triton.cdiv(N, block_m), splits)
+        options = {"maxnreg": extra[0]} if extra and extra[0] else {}
         _lm_head_stats_kernel[grid](
-            hidden,
-            weight,
+            TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
+            TensorDescriptor.from_tensor(weight, [block_n, block_k]),
             targets,
             stats[0],
             stats[1],
@@ -196,19 +278,21 @@ def lm_head_stats_triton(hidden, weight, targets, temperature: float = 1.0, logi
             logits_out if store else stats,
             N,
             V,
-            H,
-            hidden.stride(0),
-            weight.stride(0),
+            hidden.shape[1],
             logits_out.stride(0) if store else 0,
-            1.0 / temperature,
+            LOG2E / temperature,
             splits,
             triton.cdiv(triton.cdiv(V, block_n), splits),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            EVEN_V=V % block_n == 0,
             STORE_LOGITS=store,
+            WITH_ENTROPY=with_entropy,
             DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
             num_warps=warps,
             num_stages=stages,
+            **options,
         )
-    return combine_stats(*stats)
+    logp, entropy, lse = combine_stats(*stats)
+    return logp, entropy if with_entropy else None, lse

@@ -1,0 +1,44 @@
+"""Run the LM-head statistics kernel a few times at one shape and configuration, for `ncu`.
+
+    ncu --kernel-name regex:lm_head_stats --launch-skip 2 --launch-count 1 \
+        python benchmarks/profile_lm_head_stats.py --shape 16384x896x151936 --config 128,128,128,8,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="16384x896x151936")
+    parser.add_argument("--config", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages")
+    parser.add_argument("--flat", type=int, default=None)
+    parser.add_argument("--store", action="store_true", help="also store the bf16 logits")
+    parser.add_argument("--calls", type=int, default=4)
+    args = parser.parse_args()
+    n, h, v = (int(x) for x in args.shape.split("x"))
+    if args.config:
+        config = tuple(int(x) for x in args.config.split(","))
+        ops._blocks = lambda _h: config
+    if args.flat is not None:
+        ops._FLAT_LOOP = bool(args.flat)
+    hidden = torch.randn(n, h, device="cuda").bfloat16()
+    weight = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda")
+    logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16) if args.store else None
+    for _ in range(args.calls):
+        ops.lm_head_stats_triton(hidden, weight, targets, logits_out=logits)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
