@@ -81,10 +81,8 @@ if triton is not None:
     @triton.jit
     def _fold_tile(
         acc,
-        z_ptr,
-        stride_zn,
-        rows,
-        row_ok,
+        z_desc,
+        row0,
         targets,
         tile,
         V,
@@ -103,12 +101,8 @@ if triton is not None:
         cols = tile.to(tl.int64) * BLOCK_N + n_range
         col_ok = cols < V
         z2 = acc * scale2  # (BM, BN) base-2 logits at the temperature
-        if STORE_LOGITS:  # for the gradient pass; the statistics below stay fp32
-            tl.store(
-                z_ptr + rows[:, None] * stride_zn + cols[None, :],
-                z2.to(z_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & col_ok[None, :],
-            )
+        if STORE_LOGITS:  # for the gradient pass (TMA store, clipped at N and V); stats stay fp32
+            z_desc.store([row0, tile * BLOCK_N], z2.to(z_desc.dtype))
         if not EVEN_V:  # a large finite floor: 2^(floor - max) is 0 and 0 * floor is 0
             z2 = tl.where(col_ok[None, :], z2, -1.0e30)
         new_max = tl.maximum(running_max, tl.max(z2, 1))
@@ -131,11 +125,10 @@ if triton is not None:
         s_ptr,
         t_ptr,
         pz_ptr,  # each (S, N) fp32
-        z_ptr,  # (N, V) base-2 logits log2(e) * z / T (bf16 on GPUs), written when STORE_LOGITS
+        z_desc,  # (N, V) base-2 logits log2(e) * z / T (bf16 on GPUs), written when STORE_LOGITS
         N,
         V,
         H,
-        stride_zn,
         scale2,  # log2(e) / temperature, a run-time argument
         n_splits,
         tiles_per_split,
@@ -170,10 +163,8 @@ if triton is not None:
             if tile < n_tiles:
                 running_max, running_sum, running_pz, target_logit = _fold_tile(
                     acc,
-                    z_ptr,
-                    stride_zn,
-                    rows,
-                    row_ok,
+                    z_desc,
+                    row0,
                     targets,
                     tile,
                     V,
@@ -262,8 +253,16 @@ def lm_head_stats_triton(
     splits = _num_splits(V, block_n)
     stats = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
     store = logits_out is not None
-    if store and (logits_out.shape != (N, V) or logits_out.stride(1) != 1):
-        raise ValueError(f"logits_out must be a row-major ({N}, {V}) tensor")
+    if store and (
+        logits_out.shape != (N, V)
+        or logits_out.stride(1) != 1
+        or (logits_out.stride(0) * logits_out.element_size()) % 16
+        or logits_out.data_ptr() % 16
+    ):
+        raise ValueError(
+            f"logits_out must be a row-major ({N}, {V}) tensor with 16-byte aligned rows "
+            "(a view of a buffer whose row length is a multiple of 8)"
+        )
     if N > 0:
         grid = (triton.cdiv(N, block_m), splits)
         options = {"maxnreg": extra[0]} if extra and extra[0] else {}
@@ -275,11 +274,10 @@ def lm_head_stats_triton(
             stats[1],
             stats[2],
             stats[3],
-            logits_out if store else stats,
+            TensorDescriptor.from_tensor(logits_out if store else hidden, [block_m, block_n]),
             N,
             V,
             hidden.shape[1],
-            logits_out.stride(0) if store else 0,
             LOG2E / temperature,
             splits,
             triton.cdiv(triton.cdiv(V, block_n), splits),
