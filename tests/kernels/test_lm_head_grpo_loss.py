@@ -234,3 +234,45 @@ def test_two_pass_fused_path_matches_reference_for_sequence_level_gspo(chunk_row
     assert (logp.cpu().double() - want_logp).abs().max() <= 1e-4
     assert torch.allclose(h.grad.cpu().double(), h64.grad, atol=1e-4, rtol=1e-3)
     assert torch.allclose(w.grad.cpu().double(), w64.grad, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp32_dw", [True, False])
+def test_bf16_gradients_within_twice_the_plain_bf16_error_across_chunks(monkeypatch, fp32_dw):
+    """bf16 inputs, 4 chunks: dW summed in fp32, or in bf16 (one rounding per chunk), both within
+    2x of the error of plain PyTorch in bf16 (bf16 logits, autograd) against float64."""
+    if not fp32_dw:
+        monkeypatch.setattr(fused, "FP32_DW_BYTES", 0)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    n, h, v, seq = 2048, 256, 32003, 128
+    hidden = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=gen) * 2 / h**0.5).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    adv = torch.randn(n // seq, device="cuda", generator=gen).repeat_interleave(seq)
+    weights = torch.full((n,), 1.0 / n, device="cuda")
+    settings = dict(loss_type="grpo", beta=0.04, kl_estimator="k3")
+    old = -torch.rand(n, device="cuda", generator=gen) * 5 - 5
+    ref = old + 0.05 * torch.randn(n, device="cuda", generator=gen)
+
+    def grads(hid, w, fused_path):
+        hid, w = hid.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused_path:
+            loss = fused.fused_token_loss(
+                hid, w, targets, weights, adv, old, ref, None, 1.0, 512, settings
+            )[0]
+        else:
+            wide = torch.promote_types(hid.dtype, torch.float32)  # fp32, or fp64 for fp64
+            logits = (hid @ w.t()).to(wide)  # bf16 logits on the plain bf16 path
+            logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+            per = fused.per_token_loss(logp, old, ref, adv, None, None, **settings)
+            loss = (weights.to(per.dtype) * per).sum()
+        loss.backward()
+        return hid.grad.double(), w.grad.double()
+
+    want = grads(hidden.double(), weight.double(), False)
+    got = grads(hidden, weight, True)
+    plain = grads(hidden, weight, False)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    for g, p, w in zip(got, plain, want):
+        assert rel(g, w) <= 2 * rel(p, w)
