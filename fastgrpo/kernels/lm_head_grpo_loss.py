@@ -256,16 +256,25 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             elif need_dw:  # fp32 accumulation inside the GEMM, one rounding to the weight's dtype
                 d_weight.addmm_(z.t(), hidden[start:end].to(buffer_dtype))
         del logits, z  # free the chunk buffer before the bf16 copy of dW: this sets the peak
-        ctx.save_for_backward(d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
-        # (.to is a no-op when dW was accumulated in the weight's dtype)
+        # Kept on ctx, not saved for backward: backward scales them in place and hands them over,
+        # so no second [V, H] copy is made (the gradient is the only dW buffer left).
+        ctx.grads = (d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        d_hidden, d_weight = ctx.saved_tensors
-        d_hidden = None if d_hidden is None else d_hidden * grad_loss.to(d_hidden.dtype)
-        d_weight = None if d_weight is None else d_weight * grad_loss.to(d_weight.dtype)
+        if ctx.grads is None:
+            raise RuntimeError(
+                "the fused LM-head loss computes its gradients in the forward call and hands them "
+                "over once; call backward once per forward (no retain_graph double backward)"
+            )
+        d_hidden, d_weight = ctx.grads
+        ctx.grads = None
+        if d_hidden is not None:
+            d_hidden.mul_(grad_loss.to(d_hidden.dtype))
+        if d_weight is not None:
+            d_weight.mul_(grad_loss.to(d_weight.dtype))
         return d_hidden, d_weight, None, None, None, None, None
 
 

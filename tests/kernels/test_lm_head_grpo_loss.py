@@ -276,3 +276,25 @@ def test_bf16_gradients_within_twice_the_plain_bf16_error_across_chunks(monkeypa
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     for g, p, w in zip(got, plain, want):
         assert rel(g, w) <= 2 * rel(p, w)
+
+
+def test_second_backward_through_the_fused_loss_is_refused_clearly():
+    hidden, weight, targets, mask, advantages, _ = _batch(4)
+    h = hidden.to(DEVICE).requires_grad_()
+    t = mask.shape[1]
+    weights = fused.token_weights(mask, "grpo").reshape(-1).to(DEVICE)
+    adv = advantages.repeat_interleave(t).to(DEVICE)
+    loss, _, _ = fused.fused_token_loss(
+        h, weight.to(DEVICE), targets.to(DEVICE), weights, adv, None, None, None, 1.0, 8, {}
+    )
+    (2 * loss).backward(retain_graph=True)
+    first = h.grad.clone()
+    with pytest.raises(RuntimeError, match="call backward once per forward"):
+        loss.backward()
+    # the gradient handed over was scaled by the incoming gradient (2), once
+    h.grad = None
+    again, _, _ = fused.fused_token_loss(
+        h, weight.to(DEVICE), targets.to(DEVICE), weights, adv, None, None, None, 1.0, 8, {}
+    )
+    again.backward()
+    assert torch.allclose(first, 2 * h.grad)
