@@ -65,6 +65,40 @@ def fused_loss(hidden, weight, targets, weights, adv, old, ref):
     )[0]
 
 
+def liger_loss_fn(seq_len=1024):
+    """cuBLAS bf16 logits, then Liger-Kernel's Triton GRPO loss on them (PERFORMANCE.md's best
+    peer), or None when liger-kernel is not installed. Liger takes logits (B, L+1, V), so each
+    sequence's hidden states get one zero row appended (0.1% more GEMM work at L=1024)."""
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except ImportError:
+        return None
+
+    def loss(hidden, weight, targets, weights, adv, old, ref):
+        b = hidden.shape[0] // seq_len
+        padded = torch.cat(
+            [hidden.view(b, seq_len, -1), hidden.new_zeros(b, 1, hidden.shape[1])], 1
+        )
+        logits = padded @ weight.t()  # (B, L+1, V) bf16
+        out = triton_grpo_loss(
+            logits,
+            old.view(b, seq_len),
+            ref.view(b, seq_len),
+            targets.view(b, seq_len),
+            adv.view(b, seq_len)[:, 0].contiguous(),
+            None,
+            temperature=1.0,
+            beta=SETTINGS["beta"],
+            eps_low=SETTINGS["epsilon_low"],
+            eps_high=SETTINGS["epsilon_low"],
+            loss_type="grpo",
+            reduce=True,
+        )
+        return out[0]
+
+    return loss
+
+
 def measure(fn, inputs, *, reps=20):
     """(median ms, peak extra GiB excluding the returned gradients, peak extra GiB including them).
 
@@ -147,6 +181,9 @@ def main():
         floor = 6 * n * h * v / (FLOOR_TFLOPS * 1e12) * 1e3
         inputs = make_inputs(n, h, v)
         methods = [("fused", fused_loss), ("eager", eager_loss)]
+        liger = liger_loss_fn()
+        if liger is not None:
+            methods.append(("cuBLAS logits + Liger grpo_loss", liger))
         if args.fused_only:
             methods = methods[:1]
         elif not (args.quick or args.no_compile):
