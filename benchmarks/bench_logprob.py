@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fastgrpo.kernels import lm_head_grpo_loss as fused_module  # noqa: E402
 from fastgrpo.kernels.lm_head_grpo_loss import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     _chunk_rows,
@@ -58,11 +59,45 @@ def eager_loss(hidden, weight, targets, weights, adv, old, ref):
     return (weights * per_token_loss(logp, old, ref, adv, None, None, **SETTINGS)).sum()
 
 
-def fused_loss(hidden, weight, targets, weights, adv, old, ref):
+def fused_loss(hidden, weight, targets, weights, adv, old, ref, settings=SETTINGS):
     chunk = _chunk_rows(weight, DEFAULT_CHUNK_BYTES)  # what the trainer uses
     return fused_token_loss(
-        hidden, weight, targets, weights, adv, old, ref, None, 1.0, chunk, SETTINGS
+        hidden, weight, targets, weights, adv, old, ref, None, 1.0, chunk, settings
     )[0]
+
+
+def fused_loss_cublas_backward(*inputs, settings=SETTINGS):
+    """The fused call with cuBLAS for the two backward GEMMs (no zero-gradient row skipping)."""
+    saved = fused_module.BACKWARD_GEMMS
+    fused_module.BACKWARD_GEMMS = "cublas"
+    try:
+        return fused_loss(*inputs, settings=settings)
+    finally:
+        fused_module.BACKWARD_GEMMS = saved
+
+
+def zero_advantage_rows(n, h, v):
+    """beta = 0: the same call with every advantage non-zero, then with half the groups at zero."""
+    settings = {**SETTINGS, "beta": 0.0}
+    out = []
+    full, half = make_inputs(n, h, v), make_inputs(n, h, v, zero_frac=0.5)
+    for name, fn in (
+        ("fused", fused_loss),
+        ("fused, cuBLAS backward GEMMs", fused_loss_cublas_backward),
+    ):
+        call = lambda *x, fn=fn: fn(*x, settings=settings)  # noqa: E731
+        full_ms, _, _ = measure(call, full)
+        half_ms, _, _ = measure(call, half)
+        out.append(
+            {
+                "shape": [n, h, v],
+                "method": f"{name}, beta 0, half the groups at zero advantage",
+                "ms": half_ms,
+                "all_nonzero_ms": full_ms,
+                "ratio_to_all_nonzero": half_ms / full_ms,
+            }
+        )
+    return out
 
 
 def liger_loss_fn(seq_len=1024):
@@ -180,12 +215,16 @@ def main():
     for n, h, v in shapes:
         floor = 6 * n * h * v / (FLOOR_TFLOPS * 1e12) * 1e3
         inputs = make_inputs(n, h, v)
-        methods = [("fused", fused_loss), ("eager", eager_loss)]
+        methods = [
+            ("fused", fused_loss),
+            ("fused, cuBLAS backward GEMMs", fused_loss_cublas_backward),
+            ("eager", eager_loss),
+        ]
         liger = liger_loss_fn()
         if liger is not None:
             methods.append(("cuBLAS logits + Liger grpo_loss", liger))
         if args.fused_only:
-            methods = methods[:1]
+            methods = methods[:2]
         elif not (args.quick or args.no_compile):
             methods.append(("torch.compile", compiled))
         for name, fn in methods:
@@ -207,19 +246,7 @@ def main():
                 rows.append({"shape": [n, h, v], "method": name, "error": "out of memory"})
             torch.cuda.empty_cache()
         if (n, h, v) == SHAPES[0]:
-            half = make_inputs(n, h, v, zero_frac=0.5)
-            ms_half, _, _ = measure(fused_loss, half)
-            full_ms = next(
-                r["ms"] for r in rows if r["method"] == "fused" and r["shape"] == [n, h, v]
-            )
-            rows.append(
-                {
-                    "shape": [n, h, v],
-                    "method": "fused, half groups zero advantage",
-                    "ms": ms_half,
-                    "ratio_to_all_nonzero": ms_half / full_ms,
-                }
-            )
+            rows += zero_advantage_rows(n, h, v)
             from triton.testing import do_bench
 
             score_args = (inputs[0].detach(), inputs[1].detach(), inputs[2], 1.0)
@@ -273,6 +300,12 @@ def main():
             f"{r.get('peak_gib_incl_grads', float('nan')):>8.2f} "
             f"{r.get('tflops', float('nan')):>8.0f} {r.get('x_floor', float('nan')):>8.2f}"
         )
+    for r in rows:
+        if "ratio_to_all_nonzero" in r:
+            print(
+                f"{r['method']}: {r['ms']:.2f} ms vs {r['all_nonzero_ms']:.2f} ms with every "
+                f"advantage non-zero = {r['ratio_to_all_nonzero']:.2f}x"
+            )
     for a in accuracy:
         print("accuracy:", json.dumps(a))
     commit = (

@@ -25,6 +25,7 @@ import torch
 
 from fastgrpo.algo.kl import kl_penalty
 from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
+from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.kernels.lm_head_stats import _interpreting, lm_head_stats_triton, triton
 
@@ -33,6 +34,10 @@ if triton is not None:
 
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: ~2k rows at a 152k vocabulary
+# The two backward GEMMs: "triton" (lm_head_backward: rows known to have no gradient skipped, on
+# the device) or "cublas" (torch.mm, every row). The interpreter always runs the Triton kernels.
+BACKWARD_GEMMS = "triton"
+ROW_BLOCK = 128  # the largest row block of the backward kernels
 
 
 def token_weights(
@@ -131,6 +136,7 @@ if triton is not None:
         ent_ptr,
         g_ptr,
         ge_ptr,  # z: (C, V) base-2 logits log2(e) * z / T (bf16), overwritten in place
+        limit_ptr,  # () int32: rows at and past this one are left as they are (no GEMM reads them)
         V,
         inv_temp,
         BLOCK_V: tl.constexpr,
@@ -140,6 +146,8 @@ if triton is not None:
         A row with g = ge = 0 (zero advantage, masked, clipped) only writes zeros: no reads.
         """
         row = tl.program_id(0).to(tl.int64)
+        if row >= tl.load(limit_ptr):
+            return
         cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = cols < V
         g = tl.load(g_ptr + row)
@@ -160,12 +168,12 @@ if triton is not None:
         )
 
 
-def _dlogits_(z, targets, lse, entropy, g, ge, temperature):
+def _dlogits_(z, targets, lse, entropy, g, ge, temperature, limit):
     rows, V = z.shape
     block = 256 if _interpreting() else 4096
     if rows:
         _dlogits_kernel[(rows, triton.cdiv(V, block))](
-            z, z.stride(0), targets, lse, entropy, g, ge, V, 1.0 / temperature, BLOCK_V=block
+            z, z.stride(0), targets, lse, entropy, g, ge, limit, V, 1.0 / temperature, BLOCK_V=block
         )
 
 
@@ -201,7 +209,9 @@ class _FusedLMHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_rows, chunk_loss, whole_loss):
+    def forward(
+        ctx, hidden, weight, targets, temperature, chunk_rows, chunk_loss, whole_loss, active_rows
+    ):
         N, H = hidden.shape
         V = weight.shape[0]
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -217,6 +227,9 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             )
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        triton_gemms = BACKWARD_GEMMS == "triton" or _interpreting()
+        if active_rows is None:
+            active_rows = torch.full((), N, dtype=torch.int32, device=hidden.device)
         if whole_loss is not None:
             for start, end in chunks:
                 stats = lm_head_stats_triton(
@@ -248,10 +261,20 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                 loss += part
             else:  # the recomputed statistics are bitwise those of the first pass
                 g, ge = g_all[start:end], ge_all[start:end]
-            _dlogits_(z, targets[start:end], chunk_lse, ent, g, ge, temperature)
-            if need_dh:
+            rows = end - start
+            if triton_gemms:  # only the leading rows that can carry a gradient get GEMM work
+                n = (active_rows - start).clamp(0, rows).to(torch.int32)
+                limit = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK  # dz zeros to a block edge
+            else:
+                n = limit = torch.full((), rows, dtype=torch.int32, device=hidden.device)
+            _dlogits_(z, targets[start:end], chunk_lse, ent, g, ge, temperature, limit)
+            if need_dh and triton_gemms:
+                d_hidden[start:end] = backward_gemms.dh(z, weight.to(buffer_dtype), n)
+            elif need_dh:
                 d_hidden[start:end] = torch.mm(z, weight.to(buffer_dtype)).to(hidden.dtype)
-            if need_dw and dw_fp32:
+            if need_dw and triton_gemms:
+                backward_gemms.add_dw_(d_weight, z, hidden[start:end].to(buffer_dtype), n)
+            elif need_dw and dw_fp32:
                 _add_matmul_f32_(d_weight, z.t(), hidden[start:end].to(buffer_dtype))
             elif need_dw:  # fp32 accumulation inside the GEMM, one rounding to the weight's dtype
                 d_weight.addmm_(z.t(), hidden[start:end].to(buffer_dtype))
@@ -275,7 +298,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             d_hidden.mul_(grad_loss.to(d_hidden.dtype))
         if d_weight is not None:
             d_weight.mul_(grad_loss.to(d_weight.dtype))
-        return d_hidden, d_weight, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -298,7 +321,20 @@ def fused_token_loss(
     chunk_rows,
     settings,
 ):
-    """The one-pass fused call for token-level losses: sum(weights * per_token_loss)."""
+    """The one-pass fused call for token-level losses: sum(weights * per_token_loss).
+
+    Rows known before the call to have no gradient (weight 0, or advantage 0 when beta and the
+    entropy bonus are 0) are moved behind the others, on the device; the backward GEMMs then skip
+    them. The log-probs and entropies come back in the caller's order.
+    """
+    zero = weights == 0
+    if settings.get("beta", 0.0) == 0.0 and settings.get("entropy_coef", 0.0) == 0.0:
+        zero = zero | (advantages == 0)
+    order = torch.argsort(zero.to(torch.int8), stable=True)  # rows with a gradient first
+    active_rows = (~zero).sum().to(torch.int32)
+    take = lambda x: None if x is None else x[order]  # noqa: E731
+    old_logp, ref_logp, sampling_logp = take(old_logp), take(ref_logp), take(sampling_logp)
+    weights, advantages = weights[order], advantages[order]
     pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
 
     def chunk_loss(start, end, logp, entropy):
@@ -313,7 +349,19 @@ def fused_token_loss(
         )
         return (weights[start:end] * terms).sum()
 
-    return _fused_apply(hidden, weight, targets, temperature, chunk_rows, chunk_loss, None)
+    loss, logp, entropy = _fused_apply(
+        hidden[order],
+        weight,
+        targets[order],
+        temperature,
+        chunk_rows,
+        chunk_loss,
+        None,
+        active_rows,
+    )
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return loss, logp[inverse], entropy[inverse]
 
 
 FP32_DW_BYTES = 2**30  # above this, and with at most MAX_LOW_PRECISION_CHUNKS, dW accumulates
@@ -357,7 +405,7 @@ def lm_head_policy_loss(
         logp, entropy = lm_head_logprob_ref(hidden, weight, targets, temperature, with_entropy=True)
         return loss_fn(logp, entropy), logp.detach(), entropy.detach()
     return _fused_apply(
-        hidden, weight, targets, temperature, _chunk_rows(weight, chunk_bytes), None, loss_fn
+        hidden, weight, targets, temperature, _chunk_rows(weight, chunk_bytes), None, loss_fn, None
     )
 
 

@@ -223,7 +223,9 @@ def test_two_pass_fused_path_matches_reference_for_sequence_level_gspo(chunk_row
     rows = keep.reshape(-1)
     h = hidden[rows].to(DEVICE).clone().requires_grad_()
     w = weight.to(DEVICE).clone().requires_grad_()
-    loss, logp, _ = fused._fused_apply(h, w, targets[rows].to(DEVICE), 0.9, chunk_rows, None, gspo)
+    loss, logp, _ = fused._fused_apply(
+        h, w, targets[rows].to(DEVICE), 0.9, chunk_rows, None, gspo, None
+    )
     loss.backward()
     h64, w64 = hidden[rows].double().requires_grad_(), weight.double().requires_grad_()
     want, want_logp, _ = fused.lm_head_policy_loss(

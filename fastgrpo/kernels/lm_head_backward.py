@@ -1,0 +1,166 @@
+"""The two backward GEMMs of the fused LM-head loss, skipping rows whose gradient is zero.
+
+What: for one chunk of rows with dlogits `dz` (C, V) (bf16, rows 16-byte aligned), hidden states
+(C, H) and the LM-head weight (V, H):
+- `add_dw_(dw, dz, hidden, n_rows)`: dW += dz[:n]^T @ hidden[:n], accumulated in fp32 inside the
+  kernel and added to `dw` (fp32, or bf16 with one rounding) in its epilogue;
+- `dh(dz, weight, n_rows)`: dH = dz @ W in fp32 (C, H), split over the vocabulary (split-K) into
+  fixed partial sums that are added in a fixed order, so the result is deterministic.
+`n_rows` is a device tensor: only the first n rows can carry a gradient (the caller orders rows so),
+and the kernels read it on the device, so skipping them needs no host sync. Row blocks past n do no
+GEMM work at all; rows past n inside the last block must hold zeros in `dz`.
+
+Why: a GRPO batch often has whole groups at zero advantage (and masked rows); cuBLAS would still
+spend 4*N*H*V FLOPs on their zero gradients, because its shapes are fixed on the host.
+
+Reference: `add_dw_ref` and `dh_ref` below (plain PyTorch on the first n rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.kernels.lm_head_stats import TensorDescriptor, _interpreting, _tma_ready, triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def add_dw_ref(dw, dz, hidden, n_rows):
+    n = int(n_rows)
+    dw += (dz[:n].double().t() @ hidden[:n].double()).to(dw.dtype)
+    return dw
+
+
+def dh_ref(dz, weight, n_rows):
+    n = int(n_rows)
+    out = torch.zeros(dz.shape[0], weight.shape[1], dtype=torch.float32, device=dz.device)
+    out[:n] = (dz[:n].double() @ weight.double()).float()
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dw_kernel(
+        z_desc,  # (C, V) dlogits, blocks (BLOCK_R, BLOCK_V)
+        h_desc,  # (C, H) hidden, blocks (BLOCK_R, BLOCK_H)
+        dw_desc,  # (V, H) accumulated gradient, blocks (BLOCK_V, BLOCK_H)
+        n_ptr,  # () int32: rows that can carry a gradient
+        H,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_hb = tl.cdiv(H, BLOCK_H)
+        pid_v = pid // n_hb  # programs of one vocabulary block run together: dz read once
+        pid_h = pid - pid_v * n_hb
+        n_rows = tl.load(n_ptr)
+        if n_rows > 0:
+            acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+            for r in range(0, n_rows, BLOCK_R):
+                a = z_desc.load([r, pid_v * BLOCK_V])  # (BR, BV)
+                b = h_desc.load([r, pid_h * BLOCK_H])  # (BR, BH)
+                acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+            prev = dw_desc.load([pid_v * BLOCK_V, pid_h * BLOCK_H]).to(tl.float32)
+            dw_desc.store([pid_v * BLOCK_V, pid_h * BLOCK_H], (prev + acc).to(dw_desc.dtype))
+
+    @triton.jit
+    def _dh_kernel(
+        z_desc,  # (C, V) dlogits, blocks (BLOCK_R, BLOCK_V)
+        w_desc,  # (V, H) weight, blocks (BLOCK_V, BLOCK_H)
+        part_desc,  # (S * C_pad, H) fp32 partial sums, blocks (BLOCK_R, BLOCK_H)
+        n_ptr,
+        C_pad,  # C rounded up to BLOCK_R: each split's rows start on a block
+        V,
+        k_per_split,  # vocabulary columns per split, a multiple of BLOCK_V
+        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        split = tl.program_id(2)
+        n_rows = tl.load(n_ptr)
+        acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+        if pid_m * BLOCK_R < n_rows:
+            k0 = split * k_per_split
+            k1 = tl.minimum(k0 + k_per_split, V)
+            for k in range(k0, k1, BLOCK_V):
+                a = z_desc.load([pid_m * BLOCK_R, k])  # (BR, BV)
+                b = w_desc.load([k, pid_h * BLOCK_H])  # (BV, BH)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        part_desc.store([split * C_pad + pid_m * BLOCK_R, pid_h * BLOCK_H], acc)
+
+
+def _dw_blocks():
+    """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages)."""
+    if _interpreting():
+        return 32, 16, 16, 4, 1
+    return 128, 128, 64, 8, 4
+
+
+def _dh_blocks():
+    """(BLOCK_R, BLOCK_H, BLOCK_V, num_warps, num_stages, splits)."""
+    if _interpreting():
+        return 16, 16, 32, 4, 1, 3
+    return 128, 128, 64, 8, 4, 12
+
+
+def _precision(t):
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def add_dw_(dw, dz, hidden, n_rows):
+    """dw (V, H) += dz[:n]^T @ hidden[:n] in place; dz (C, V), hidden (C, H); n_rows () int32."""
+    C, V = dz.shape
+    H = hidden.shape[1]
+    block_v, block_h, block_r, warps, stages = _dw_blocks()
+    hidden = _tma_ready(hidden)
+    grid = (triton.cdiv(V, block_v) * triton.cdiv(H, block_h),)
+    _dw_kernel[grid](
+        TensorDescriptor.from_tensor(dz, [block_r, block_v]),
+        TensorDescriptor.from_tensor(hidden, [block_r, block_h]),
+        TensorDescriptor.from_tensor(dw, [block_v, block_h]),
+        n_rows,
+        H,
+        BLOCK_V=block_v,
+        BLOCK_H=block_h,
+        BLOCK_R=block_r,
+        DOT_PRECISION=_precision(dz),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return dw
+
+
+def dh(dz, weight, n_rows):
+    """dz[:n] @ weight as fp32 (C, H), zeros past n; dz (C, V), weight (V, H); n_rows () int32."""
+    C, V = dz.shape
+    H = weight.shape[1]
+    block_r, block_h, block_v, warps, stages, splits = _dh_blocks()
+    k_per_split = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    splits = triton.cdiv(V, k_per_split)
+    c_pad = triton.cdiv(C, block_r) * block_r
+    part = torch.empty(splits * c_pad, H, dtype=torch.float32, device=dz.device)
+    weight = _tma_ready(weight)
+    grid = (triton.cdiv(C, block_r), triton.cdiv(H, block_h), splits)
+    _dh_kernel[grid](
+        TensorDescriptor.from_tensor(dz, [block_r, block_v]),
+        TensorDescriptor.from_tensor(weight, [block_v, block_h]),
+        TensorDescriptor.from_tensor(part, [block_r, block_h]),
+        n_rows,
+        c_pad,
+        V,
+        k_per_split,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        BLOCK_V=block_v,
+        DOT_PRECISION=_precision(dz),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return part.view(splits, c_pad, H)[:, :C].sum(0)
