@@ -21,7 +21,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="16384x896x151936")
     parser.add_argument("--config", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages")
-    parser.add_argument("--flat", type=int, default=None)
     parser.add_argument("--store", action="store_true", help="also store the bf16 logits")
     parser.add_argument("--calls", type=int, default=4)
     args = parser.parse_args()
@@ -29,8 +28,6 @@ def main():
     if args.config:
         config = tuple(int(x) for x in args.config.split(","))
         ops._blocks = lambda _h: config
-    if args.flat is not None:
-        ops._FLAT_LOOP = bool(args.flat)
     hidden = torch.randn(n, h, device="cuda").bfloat16()
     weight = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16()
     targets = torch.randint(0, v, (n,), device="cuda")

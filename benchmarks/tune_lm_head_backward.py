@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
 from fastgrpo.kernels.lm_head_grpo_loss import _add_matmul_f32_  # noqa: E402
 
-DW_CONFIGS = [  # (BLOCK_V, BLOCK_H, BLOCK_R, warps, stages); the first three also with warp spec.
+DW_CONFIGS = [  # (BLOCK_V, BLOCK_H, BLOCK_R, warps, stages)
     (256, 128, 64, 8, 3),
     (128, 256, 64, 8, 3),
     (128, 128, 64, 8, 4),
@@ -29,7 +29,7 @@ DW_CONFIGS = [  # (BLOCK_V, BLOCK_H, BLOCK_R, warps, stages); the first three al
     (128, 128, 128, 8, 3),
     (256, 128, 64, 16, 3),
 ]
-DH_CONFIGS = [  # (BLOCK_R, BLOCK_H, BLOCK_V, warps, stages, vocabulary splits); first two also ws
+DH_CONFIGS = [  # (BLOCK_R, BLOCK_H, BLOCK_V, warps, stages, vocabulary splits)
     (128, 128, 64, 8, 4, 8),
     (128, 256, 64, 8, 3, 4),
     (128, 128, 64, 8, 4, 12),
@@ -60,21 +60,19 @@ def sweep(c, h, v):
     ):
         ms = bench(fn)
         rows.append({"shape": [c, h, v], "kernel": name, "ms": ms, "tflops": tflop / ms * 1e3})
-    for config, ws in [(x, False) for x in DW_CONFIGS] + [(x, True) for x in DW_CONFIGS[:3]]:
-        bwd._WARP_SPECIALIZE = ws
+    for config in DW_CONFIGS:
         bwd._dw_blocks = lambda _h, x=config: x
-        row = {"shape": [c, h, v], "kernel": f"triton dW{' ws' if ws else ''}", "config": config}
+        row = {"shape": [c, h, v], "kernel": "triton dW", "config": config}
         try:
             row["ms"] = bench(lambda: bwd.add_dw_(dw, dz, hidden, n))
             row["tflops"] = tflop / row["ms"] * 1e3
         except Exception as error:
             row["error"] = str(error).splitlines()[0][:100]
         rows.append(row)
-    for config, ws in [(x, False) for x in DH_CONFIGS] + [(x, True) for x in DH_CONFIGS[:2]]:
-        bwd._WARP_SPECIALIZE = ws
+    for config in DH_CONFIGS:
         bwd._dh_blocks = lambda _h, x=config: x[:5]
         bwd._dh_splits = lambda *_, x=config: x[5]
-        row = {"shape": [c, h, v], "kernel": f"triton dH{' ws' if ws else ''}", "config": config}
+        row = {"shape": [c, h, v], "kernel": "triton dH", "config": config}
         try:
             got = bwd.dh(dz, weight, n)
             row["max_rel_err"] = ((got - want_dh).abs().max() / want_dh.abs().max()).item()

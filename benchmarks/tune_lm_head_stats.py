@@ -36,7 +36,7 @@ CONFIGS = [
 ]
 
 
-def sweep_shape(n, h, v, *, train, configs, splits_list, ws_list):
+def sweep_shape(n, h, v, *, train, configs, splits_list):
     default_splits = ops._num_splits
     inputs = make_inputs(n, h, v)
     hidden, weight, targets = inputs[0].detach(), inputs[1].detach(), inputs[2]
@@ -47,15 +47,13 @@ def sweep_shape(n, h, v, *, train, configs, splits_list, ws_list):
         fused_loss(*inputs).backward()
 
     rows = []
-    for config, splits, ws in itertools.product(configs, splits_list, ws_list):
+    for config, splits in itertools.product(configs, splits_list):
         ops._blocks = lambda _h, c=config: c
-        ops._WARP_SPECIALIZE = ws
         ops._num_splits = default_splits if splits is None else (lambda _v, _b, s=splits: s)
         row = {
             "shape": [n, h, v],
             "config": config,
             "splits": splits or "auto",
-            "warp_specialize": ws,
         }
         try:
             logp = ops.lm_head_stats_triton(hidden[:512], weight, targets[:512])[0]
@@ -83,9 +81,6 @@ def main():
     parser.add_argument("--no-train", action="store_true", help="time scoring only")
     parser.add_argument("--configs", help="e.g. 128,128,64,8,3;128,128,128,8,3")
     parser.add_argument("--splits", default="auto,18,66")
-    parser.add_argument(
-        "--warp-specialize", default="0", help="0 none, 1 the k loop, 2 the vocabulary-tile loop"
-    )
     args = parser.parse_args()
     configs = (
         [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
@@ -93,7 +88,6 @@ def main():
         else CONFIGS
     )
     splits_list = [None if s == "auto" else int(s) for s in args.splits.split(",")]
-    ws_list = [int(f) for f in args.warp_specialize.split(",")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows = []
     for n, h, v in shapes:
@@ -104,7 +98,6 @@ def main():
             train=not args.no_train,
             configs=configs,
             splits_list=splits_list,
-            ws_list=ws_list,
         )
         torch.cuda.empty_cache()
     print(
@@ -113,12 +106,10 @@ def main():
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
-            print(
-                f"{shape:<20} {str(r['config']):<24} {r['splits']:>6} {r['warp_specialize']:>3} {r['error']}"
-            )
+            print(f"{shape:<20} {str(r['config']):<24} {r['splits']:>6} {r['error']}")
             continue
         print(
-            f"{shape:<20} {str(r['config']):<24} {r['splits']:>6} {r['warp_specialize']:>3} "
+            f"{shape:<20} {str(r['config']):<24} {r['splits']:>6} "
             f"{r['score_ms']:>9.2f} "
             f"{r['score_tflops']:>8.0f} {r.get('train_ms', float('nan')):>9.2f}"
         )

@@ -52,7 +52,6 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BLOCK_H)
@@ -61,7 +60,7 @@ if triton is not None:
         n_rows = tl.load(n_ptr)
         if n_rows > 0:
             acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
-            for r in tl.range(0, n_rows, BLOCK_R, warp_specialize=WARP_SPECIALIZE):
+            for r in range(0, n_rows, BLOCK_R):
                 a = z_desc.load([r, pid_v * BLOCK_V])  # (BR, BV)
                 b = h_desc.load([r, pid_h * BLOCK_H])  # (BR, BH)
                 acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
@@ -81,7 +80,6 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_V: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr = False,
     ):
         pid_m = tl.program_id(0)
         pid_h = tl.program_id(1)
@@ -91,14 +89,11 @@ if triton is not None:
         if pid_m * BLOCK_R < n_rows:
             k0 = split * k_per_split
             k1 = tl.minimum(k0 + k_per_split, V)
-            for k in tl.range(k0, k1, BLOCK_V, warp_specialize=WARP_SPECIALIZE):
+            for k in range(k0, k1, BLOCK_V):
                 a = z_desc.load([pid_m * BLOCK_R, k])  # (BR, BV)
                 b = w_desc.load([k, pid_h * BLOCK_H])  # (BV, BH)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         part_desc.store([split * C_pad + pid_m * BLOCK_R, pid_h * BLOCK_H], acc)
-
-
-_WARP_SPECIALIZE = False  # Triton's automatic warp specialization (an experiment)
 
 
 def _dw_blocks(H: int):
@@ -146,7 +141,6 @@ def add_dw_(dw, dz, hidden, n_rows):
         BLOCK_H=block_h,
         BLOCK_R=block_r,
         DOT_PRECISION=_precision(dz),
-        WARP_SPECIALIZE=_WARP_SPECIALIZE,
         num_warps=warps,
         num_stages=stages,
     )
@@ -177,7 +171,6 @@ def dh(dz, weight, n_rows):
         BLOCK_H=block_h,
         BLOCK_V=block_v,
         DOT_PRECISION=_precision(dz),
-        WARP_SPECIALIZE=_WARP_SPECIALIZE,
         num_warps=warps,
         num_stages=stages,
     )

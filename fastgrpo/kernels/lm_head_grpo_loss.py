@@ -35,7 +35,7 @@ if triton is not None:
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: ~2k rows at a 152k vocabulary
 # The two backward GEMMs: "triton" (lm_head_backward: rows known to have no gradient skipped, on
-# the device) or "cublas" (torch.mm, every row). The interpreter always runs the Triton kernels.
+# the device) or "cublas" (torch.mm, every row; 3-5% faster when no row can be skipped).
 BACKWARD_GEMMS = "triton"
 ROW_BLOCK = 128  # the largest row block of the backward kernels
 
@@ -227,7 +227,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             )
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
-        triton_gemms = BACKWARD_GEMMS == "triton" or _interpreting()
+        triton_gemms = BACKWARD_GEMMS == "triton"
         if active_rows is None:
             active_rows = torch.full((), N, dtype=torch.int32, device=hidden.device)
         if whole_loss is not None:

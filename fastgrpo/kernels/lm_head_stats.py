@@ -139,7 +139,6 @@ if triton is not None:
         STORE_LOGITS: tl.constexpr,
         WITH_ENTROPY: tl.constexpr,
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
-        WARP_SPECIALIZE: tl.constexpr = 0,  # 0 none, 1 the k loop, 2 the vocabulary-tile loop
     ):
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
@@ -154,10 +153,10 @@ if triton is not None:
         running_pz = tl.zeros([BLOCK_M], tl.float32)
         row0 = pid_m * BLOCK_M
         # tiles split, split + S, ...; the last may lie past V (then skipped)
-        for i in tl.range(0, tiles_per_split, warp_specialize=WARP_SPECIALIZE == 2):
+        for i in range(0, tiles_per_split):
             tile = split + i * n_splits
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for ki in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE == 1):
+            for ki in range(0, k_tiles):
                 acc = _dot_step(
                     h_desc, w_desc, row0, tile, ki, acc, BLOCK_N, BLOCK_K, DOT_PRECISION
                 )
@@ -188,11 +187,6 @@ if triton is not None:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_WARP_SPECIALIZE = (
-    0  # Triton's automatic warp specialization (an experiment; see the tuning script)
-)
 
 
 def _tma_ready(x):
@@ -293,7 +287,6 @@ def lm_head_stats_triton(
             EVEN_V=V % block_n == 0,
             STORE_LOGITS=store,
             WITH_ENTROPY=with_entropy,
-            WARP_SPECIALIZE=_WARP_SPECIALIZE,
             DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
             num_warps=warps,
             num_stages=stages,

@@ -80,6 +80,16 @@ def test_reference_weighted_token_loss_equals_algo_policy_loss(settings):
 )
 @pytest.mark.parametrize("chunk_rows", [4, 128])
 def test_fused_loss_and_gradients_match_the_float64_reference(settings, chunk_rows):
+    _check_fused_against_reference(settings, chunk_rows)
+
+
+@pytest.mark.parametrize("settings", VARIANTS[:2], ids=lambda s: s["loss_type"])
+def test_fused_loss_with_torch_backward_gemms_matches_the_reference(monkeypatch, settings):
+    monkeypatch.setattr(fused, "BACKWARD_GEMMS", "cublas")
+    _check_fused_against_reference(settings, 4)
+
+
+def _check_fused_against_reference(settings, chunk_rows):
     hidden, weight, targets, mask, advantages, noise = _batch(1)
     t = mask.shape[1]
     weights = fused.token_weights(mask, settings["loss_type"], max_completion_length=t).reshape(-1)
