@@ -28,6 +28,7 @@ from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
 from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.kernels.lm_head_stats import _interpreting, lm_head_stats_triton, triton
+from fastgrpo.kernels.token_loss import token_loss_and_grads
 
 if triton is not None:
     import triton.language as tl
@@ -202,7 +203,8 @@ def _loss_and_grads(loss_fn, logp, entropy):
 class _FusedLMHeadLoss(torch.autograd.Function):
     """Loss and gradients in the forward call; backward scales them by the incoming gradient.
 
-    `chunk_loss(start, end, logp, entropy)` (rows independent, token-level ratios): one pass,
+    `chunk_loss(start, end, logp, entropy) -> (loss, d/dlogp, d/dentropy)` (rows independent,
+    token-level ratios, e.g. `token_loss.token_loss_and_grads` on the chunk's rows): one pass,
     6*N*H*V FLOPs. `whole_loss(logp, entropy)` (rows coupled, e.g. GSPO's sequence ratio): a
     statistics pass over all rows, then the gradient pass recomputes each chunk's logits,
     8*N*H*V FLOPs. Exactly one of the two is given.
@@ -255,9 +257,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             )
             if whole_loss is None:
                 logp[start:end], entropy[start:end] = lp, ent
-                part, g, ge = _loss_and_grads(
-                    lambda a, b, s=start, e=end: chunk_loss(s, e, a, b), lp, ent
-                )
+                part, g, ge = chunk_loss(start, end, lp, ent)
                 loss += part
             else:  # the recomputed statistics are bitwise those of the first pass
                 g, ge = g_all[start:end], ge_all[start:end]
@@ -338,16 +338,16 @@ def fused_token_loss(
     pick = lambda x, s, e: None if x is None else x[s:e]  # noqa: E731
 
     def chunk_loss(start, end, logp, entropy):
-        terms = per_token_loss(
+        return token_loss_and_grads(
             logp,
+            entropy,
             pick(old_logp, start, end),
             pick(ref_logp, start, end),
-            advantages[start:end],
-            entropy,
             pick(sampling_logp, start, end),
-            **settings,
+            advantages[start:end],
+            weights[start:end],
+            settings,
         )
-        return (weights[start:end] * terms).sum()
 
     loss, logp, entropy = _fused_apply(
         hidden[order],
