@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
 from fastgrpo.kernels import lm_head_backward as bwd
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-OLD_INTERPRETER = bwd.triton is not None and tuple(
-    int(x) for x in bwd.triton.__version__.split(".")[:2]
-) < (3, 7)
-pytestmark = [
-    pytest.mark.skipif(bwd.triton is None, reason="needs triton"),
-    pytest.mark.skipif(
-        not ON_GPU and OLD_INTERPRETER, reason="triton interpreter too old for numpy 2"
-    ),
-]
+pytestmark = NEEDS_TRITON
 
 
 def _chunk(c, v, h, n, seed):

@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import DEVICE, LOSS_VARIANTS, ON_GPU, variant_id
 
 from fastgrpo.algo import policy_loss
 from fastgrpo.kernels import lm_head_grpo_loss as fused
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
-
-VARIANTS = [
-    dict(loss_type="grpo"),
-    dict(loss_type="dapo", epsilon_high=0.28),
-    dict(loss_type="bnpo", beta=0.05, kl_estimator="k3"),
-    dict(loss_type="dr_grpo", beta=0.02, kl_estimator="k1", delta=1.5),
-    dict(loss_type="cispo", epsilon_high=5.0, entropy_coef=0.01),
-    dict(loss_type="grpo", entropy_coef=0.02, beta=0.1, kl_estimator="k2"),
-]
+VARIANTS = LOSS_VARIANTS
 
 
 def _batch(seed, n_seq=3, t=5, h=32, v=151, dtype=torch.float32):
@@ -36,9 +27,7 @@ def _batch(seed, n_seq=3, t=5, h=32, v=151, dtype=torch.float32):
     return hidden.to(dtype), weight.to(dtype), targets, mask, advantages, noise
 
 
-@pytest.mark.parametrize(
-    "settings", VARIANTS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
-)
+@pytest.mark.parametrize("settings", VARIANTS, ids=variant_id)
 def test_reference_weighted_token_loss_equals_algo_policy_loss(settings):
     hidden, weight, targets, mask, advantages, noise = _batch(0, dtype=torch.float64)
     hidden.requires_grad_()
@@ -75,9 +64,7 @@ def test_reference_weighted_token_loss_equals_algo_policy_loss(settings):
     )
 
 
-@pytest.mark.parametrize(
-    "settings", VARIANTS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
-)
+@pytest.mark.parametrize("settings", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("chunk_rows", [4, 128])
 def test_fused_loss_and_gradients_match_the_float64_reference(settings, chunk_rows):
     _check_fused_against_reference(settings, chunk_rows)

@@ -6,21 +6,11 @@ import os
 
 import pytest
 import torch
+from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
 from fastgrpo.kernels import lm_head_stats as ops
 
-ON_GPU = torch.cuda.is_available()
-OLD_INTERPRETER = ops.triton is not None and tuple(
-    int(x) for x in ops.triton.__version__.split(".")[:2]
-) < (3, 7)
-pytestmark = [
-    pytest.mark.skipif(ops.triton is None, reason="needs triton"),
-    # before 3.7 the interpreter cannot read scalar kernel arguments under numpy >= 2.4
-    pytest.mark.skipif(
-        not ON_GPU and OLD_INTERPRETER, reason="triton interpreter too old for numpy 2"
-    ),
-]
-DEVICE = "cuda" if ON_GPU else "cpu"
+pytestmark = NEEDS_TRITON
 
 
 def _inputs(n, h, v, dtype, seed):

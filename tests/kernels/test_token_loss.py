@@ -4,30 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import DEVICE, LOSS_VARIANTS, NEEDS_TRITON, variant_id
 
 from fastgrpo.kernels import token_loss as tk
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-OLD_INTERPRETER = tk.triton is not None and tuple(
-    int(x) for x in tk.triton.__version__.split(".")[:2]
-) < (3, 7)
-pytestmark = [
-    pytest.mark.skipif(tk.triton is None, reason="needs triton"),
-    pytest.mark.skipif(
-        not ON_GPU and OLD_INTERPRETER, reason="triton interpreter too old for numpy 2"
-    ),
-]
-
-VARIANTS = [
-    dict(loss_type="grpo"),
-    dict(loss_type="dapo", epsilon_high=0.28),
-    dict(loss_type="bnpo", beta=0.05, kl_estimator="k3"),
-    dict(loss_type="dr_grpo", beta=0.02, kl_estimator="k1", delta=1.5),
-    dict(loss_type="cispo", epsilon_high=5.0, entropy_coef=0.01),
-    dict(loss_type="grpo", entropy_coef=0.02, beta=0.1, kl_estimator="k2"),
-    dict(loss_type="dapo", epsilon_high=0.28, importance_sampling_cap=1.5),
-]
+pytestmark = NEEDS_TRITON
+VARIANTS = LOSS_VARIANTS + [dict(loss_type="dapo", epsilon_high=0.28, importance_sampling_cap=1.5)]
 
 
 def _rows(n, seed, with_old=True, with_sampling=False):
@@ -50,9 +32,7 @@ def _rows(n, seed, with_old=True, with_sampling=False):
     ]
 
 
-@pytest.mark.parametrize(
-    "settings", VARIANTS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
-)
+@pytest.mark.parametrize("settings", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("with_old", [True, False])
 def test_kernel_matches_autograd_reference(settings, with_old):
     rows = _rows(
