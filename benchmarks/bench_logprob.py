@@ -59,8 +59,8 @@ def eager_loss(hidden, weight, targets, weights, adv, old, ref):
     return (weights * per_token_loss(logp, old, ref, adv, None, None, **SETTINGS)).sum()
 
 
-def fused_loss(hidden, weight, targets, weights, adv, old, ref, settings=SETTINGS):
-    chunk = _chunk_rows(weight, DEFAULT_CHUNK_BYTES)  # what the trainer uses
+def fused_loss(hidden, weight, targets, weights, adv, old, ref, settings=SETTINGS, chunk=None):
+    chunk = chunk or _chunk_rows(weight, DEFAULT_CHUNK_BYTES)  # what the trainer uses
     return fused_token_loss(
         hidden, weight, targets, weights, adv, old, ref, None, 1.0, chunk, settings
     )[0]
@@ -167,15 +167,21 @@ def tflops(n, h, v, ms, passes=6):
     return passes * n * h * v / (ms * 1e-3) / 1e12
 
 
-ACCURACY_SHAPES = [(1024, 896, 151936), (8192, 896, 151936), (8192, 3584, 152064)]
+# (N, H, V, rows per chunk or None for the library's): 1, 4, 4 and 16 chunks
+ACCURACY_SHAPES = [
+    (1024, 896, 151936, None),
+    (8192, 896, 151936, None),
+    (8192, 3584, 152064, None),
+    (16384, 896, 32000, 1024),
+]
 
 
-def check_accuracy(n, h, v):
+def check_accuracy(n, h, v, chunk):
     """Fused vs fp64 reference: log-prob error, loss error, gradient error vs the bf16 eager path.
-    At 8192 rows the fused call runs several chunks (dW in bf16 across chunks at H=3584)."""
+    With several chunks dW is summed across them (in fp32 or bf16: see `_dw_in_fp32`)."""
     inputs = make_inputs(n, h, v, seq_len=256)
     hidden, weight = inputs[0], inputs[1]
-    loss = fused_loss(*inputs)
+    loss = fused_loss(*inputs, chunk=chunk)
     loss.backward()
     fused_grads = (hidden.grad.double(), weight.grad.double())
     hidden.grad = weight.grad = None
@@ -193,7 +199,7 @@ def check_accuracy(n, h, v):
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return {
         "shape": [n, h, v],
-        "chunks": -(-n // _chunk_rows(weight, DEFAULT_CHUNK_BYTES)),
+        "chunks": -(-n // (chunk or _chunk_rows(weight, DEFAULT_CHUNK_BYTES))),
         "logp_max_abs_err": (logp.double() - want).abs().max().item(),
         "loss_rel_err": abs(loss.item() - ref_value) / abs(ref_value),
         "grad_hidden_rel_err": rel(fused_grads[0], h64.grad),
@@ -208,7 +214,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="first shape only, no torch.compile")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--fused-only", action="store_true", help="no eager / compile columns")
+    parser.add_argument(
+        "--bf16-dw",
+        action="store_true",
+        help="sum dW across chunks in bf16 whenever there are at most 16 chunks",
+    )
     args = parser.parse_args()
+    if args.bf16_dw:
+        fused_module.FP32_DW_BYTES, fused_module.MAX_LOW_PRECISION_CHUNKS = 0, 16
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = []
     compiled = torch.compile(eager_loss)
