@@ -215,13 +215,11 @@ def main():
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--fused-only", action="store_true", help="no eager / compile columns")
     parser.add_argument(
-        "--bf16-dw",
-        action="store_true",
-        help="sum dW across chunks in bf16 whenever there are at most 16 chunks",
+        "--fp32-dw", action="store_true", help="sum dW across chunks in fp32 at any chunk count"
     )
     args = parser.parse_args()
-    if args.bf16_dw:
-        fused_module.FP32_DW_BYTES, fused_module.MAX_LOW_PRECISION_CHUNKS = 0, 16
+    if args.fp32_dw:
+        fused_module.MAX_LOW_PRECISION_CHUNKS = 0
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = []
     compiled = torch.compile(eager_loss)

@@ -241,8 +241,8 @@ def test_two_pass_fused_path_matches_reference_for_sequence_level_gspo(chunk_row
 def test_bf16_gradients_within_twice_the_plain_bf16_error_across_chunks(monkeypatch, fp32_dw):
     """bf16 inputs, 4 chunks: dW summed in fp32, or in bf16 (one rounding per chunk), both within
     2x of the error of plain PyTorch in bf16 (bf16 logits, autograd) against float64."""
-    if not fp32_dw:
-        monkeypatch.setattr(fused, "FP32_DW_BYTES", 0)
+    if fp32_dw:
+        monkeypatch.setattr(fused, "MAX_LOW_PRECISION_CHUNKS", 0)
     gen = torch.Generator(device="cuda").manual_seed(11)
     n, h, v, seq = 2048, 256, 32003, 128
     hidden = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
