@@ -61,7 +61,7 @@ def sweep(c, h, v):
         ms = bench(fn)
         rows.append({"shape": [c, h, v], "kernel": name, "ms": ms, "tflops": tflop / ms * 1e3})
     for config in DW_CONFIGS:
-        bwd._dw_blocks = lambda _h, x=config: x
+        bwd._dw_blocks = lambda *_, x=config: x
         row = {"shape": [c, h, v], "kernel": "triton dW", "config": config}
         try:
             row["ms"] = bench(lambda: bwd.add_dw_(dw, dz, hidden, n))
@@ -70,7 +70,7 @@ def sweep(c, h, v):
             row["error"] = str(error).splitlines()[0][:100]
         rows.append(row)
     for config in DH_CONFIGS:
-        bwd._dh_blocks = lambda _h, x=config: x[:5]
+        bwd._dh_blocks = lambda *_, x=config: x[:5]
         bwd._dh_splits = lambda *_, x=config: x[5]
         row = {"shape": [c, h, v], "kernel": "triton dH", "config": config}
         try:

@@ -48,7 +48,7 @@ def sweep_shape(n, h, v, *, train, configs, splits_list):
 
     rows = []
     for config, splits in itertools.product(configs, splits_list):
-        ops._blocks = lambda _h, c=config: c
+        ops._blocks = lambda *_, c=config: c
         ops._num_splits = default_splits if splits is None else (lambda _v, _b, s=splits: s)
         row = {
             "shape": [n, h, v],

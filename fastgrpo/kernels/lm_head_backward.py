@@ -96,21 +96,25 @@ if triton is not None:
         part_desc.store([split * C_pad + pid_m * BLOCK_R, pid_h * BLOCK_H], acc)
 
 
-def _dw_blocks(H: int):
+def _dw_blocks(H: int, itemsize: int = 2):
     """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages). Measured on the H100
     (benchmarks/tune_lm_head_backward.py, 2048-row chunks): 256x128 tiles at H=896 (1.09 ms, cuBLAS
     1.04), 128x256 at H=3584 (4.09 ms, cuBLAS 3.73)."""
     if _interpreting():
         return 32, 16, 16, 4, 1
+    if itemsize == 4:  # fp32 operands: half the k step, to fit shared memory
+        return 128, 128, 32, 8, 3
     return (256, 128, 64, 8, 3) if H <= 1024 else (128, 256, 64, 8, 3)
 
 
-def _dh_blocks(H: int):
+def _dh_blocks(H: int, itemsize: int = 2):
     """(BLOCK_R, BLOCK_H, BLOCK_V, num_warps, num_stages). Measured on the H100
     (benchmarks/tune_lm_head_backward.py, 2048-row chunks, 4 splits): 128x256 tiles, 0.90 ms at
     H=896 (cuBLAS 0.88) and 3.28 ms at H=3584 (cuBLAS 3.29)."""
     if _interpreting():
         return 16, 16, 32, 4, 1
+    if itemsize == 4:  # fp32 operands: smaller tiles, to fit shared memory
+        return 128, 128, 32, 8, 3
     return 128, 256, 64, 8, 3
 
 
@@ -128,7 +132,7 @@ def add_dw_(dw, dz, hidden, n_rows):
     """dw (V, H) += dz[:n]^T @ hidden[:n] in place; dz (C, V), hidden (C, H); n_rows () int32."""
     C, V = dz.shape
     H = hidden.shape[1]
-    block_v, block_h, block_r, warps, stages = _dw_blocks(H)
+    block_v, block_h, block_r, warps, stages = _dw_blocks(H, dz.element_size())
     hidden = _tma_ready(hidden)
     grid = (triton.cdiv(V, block_v) * triton.cdiv(H, block_h),)
     _dw_kernel[grid](
@@ -151,7 +155,7 @@ def dh(dz, weight, n_rows):
     """dz[:n] @ weight as fp32 (C, H), zeros past n; dz (C, V), weight (V, H); n_rows () int32."""
     C, V = dz.shape
     H = weight.shape[1]
-    block_r, block_h, block_v, warps, stages = _dh_blocks(H)
+    block_r, block_h, block_v, warps, stages = _dh_blocks(H, dz.element_size())
     splits = _dh_splits(C, H, block_r, block_h)
     k_per_split = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, k_per_split)

@@ -200,10 +200,13 @@ def _tma_ready(x):
     return padded
 
 
-def _blocks(H: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]) for this device."""
+def _blocks(H: int, itemsize: int = 2) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]) for this device and operand
+    size (fp32 operands take twice the shared memory per tile)."""
     if _interpreting():
         return 16, 32, 16, 4, 1
+    if itemsize == 4:
+        return 128, 128, 32, 8, 3
     # Measured on the H100 with TMA loads (benchmarks/tune_lm_head_stats.py, NOTES.md): 128x256
     # tiles, 64-wide k steps, 8 warps, 3 stages are the fastest at H=896 and H=3584 for scoring
     # (7.4 and 14.1 ms) and inside the fused training call. Scoring and training must share one
@@ -249,7 +252,7 @@ def lm_head_stats_triton(
         # multiplies exactly and accumulates in fp32, so the function computed is the same.
         hidden, weight = hidden.float(), weight.float()
     hidden, weight = _tma_ready(hidden), _tma_ready(weight)
-    block_m, block_n, block_k, warps, stages, *extra = _blocks(H)
+    block_m, block_n, block_k, warps, stages, *extra = _blocks(H, hidden.element_size())
     splits = _num_splits(V, block_n)
     stats = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
     store = logits_out is not None
