@@ -31,7 +31,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.evaluate import decode_completions, evaluate, reward_columns
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
 from fastgrpo.train.optim import build_optimizer, build_scheduler
-from fastgrpo.train.update import update_policy
+from fastgrpo.train.update import update_policy, use_fused_lm_head
 
 log = logging.getLogger("fastgrpo.train")
 
@@ -152,6 +152,10 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     checkpoint = latest_checkpoint(run_dir) if resume else None
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
     model, tokenizer, _ = load_configured_model(config, model_name)
+    try:
+        use_fused_lm_head(config, model)  # fail here, before any rollout, if it cannot run
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = True

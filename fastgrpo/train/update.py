@@ -21,7 +21,7 @@ from fastgrpo.kernels.lm_head_grpo_loss import (
     lm_head_policy_loss,
     token_weights,
 )
-from fastgrpo.kernels.lm_head_stats import triton
+from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 from fastgrpo.rollout import Rollout
 from fastgrpo.train.batching import plan_micro_batches
 from fastgrpo.train.logprobs import completion_hidden, completion_logprobs, trim_padding, unpack
@@ -66,7 +66,18 @@ def loss_settings(config: Config) -> dict:
 def use_fused_lm_head(config: Config, model) -> bool:
     """Whether the update runs the fused LM-head + loss kernels."""
     mode = config.train.fused_lm_head
-    return mode == "on" or (mode == "auto" and triton is not None and model.device.type == "cuda")
+    on_gpu = model.device.type == "cuda"
+    if mode == "on" and triton is None:
+        raise ValueError(
+            "train.fused_lm_head=on needs Triton: `pip install triton`, or set it to auto"
+        )
+    if mode == "on" and not (on_gpu or _interpreting()):
+        raise ValueError(
+            f"train.fused_lm_head=on runs Triton kernels, which need the model on a CUDA GPU "
+            f"(model.device is {model.device.type}); set train.fused_lm_head=auto or off, or "
+            "TRITON_INTERPRET=1 to run the kernels in Triton's (slow) interpreter on the CPU"
+        )
+    return mode == "on" or (mode == "auto" and triton is not None and on_gpu)
 
 
 def _policy_loss_on(mb: MicroBatch, logp, entropy, num_sequences, num_tokens, settings):

@@ -331,6 +331,14 @@ def test_every_algorithm_variant_trains_through_the_loop(settings, tiny_model_di
         assert record["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+# These run the Triton kernels on the CPU in Triton's interpreter, which tests/conftest.py turns on
+# only where there is no GPU (the switch is read once, at import); on a GPU the CUDA test covers it.
+CPU_INTERPRETER_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="needs Triton's interpreter (machines without a GPU)"
+)
+
+
+@CPU_INTERPRETER_ONLY
 @pytest.mark.parametrize(
     "extra",
     [
@@ -366,6 +374,7 @@ def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model
         assert torch.allclose(final_fused[name], value, atol=1e-5), name
 
 
+@CPU_INTERPRETER_ONLY
 def test_fused_lm_head_on_really_runs_the_fused_kernels(tiny_model_dir, tmp_path, monkeypatch):
     from fastgrpo.kernels import lm_head_grpo_loss as fused
 
@@ -381,3 +390,20 @@ def test_fused_lm_head_on_really_runs_the_fused_kernels(tiny_model_dir, tmp_path
     )
     run_training(None, overrides=overrides)
     assert calls
+
+
+def test_fused_lm_head_on_with_a_cpu_model_and_no_interpreter_says_what_to_do(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    from fastgrpo.train import update
+
+    monkeypatch.setattr(update, "_interpreting", lambda: False)
+    reward_file = write_test_rewards(tmp_path)
+    overrides = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        steps=1,
+        **{"rewards": f"['{reward_file}:digit_share']", "train.fused_lm_head": "on"},
+    )
+    with pytest.raises(ValueError, match="need the model on a CUDA GPU"):
+        run_training(None, overrides=overrides)
