@@ -118,10 +118,18 @@ def _dh_blocks(H: int, itemsize: int = 2):
     return 128, 256, 64, 8, 3
 
 
-def _dh_splits(C, H, block_r, block_h) -> int:
+def _dh_splits() -> int:
     """Vocabulary splits for dH. 4 was the best measured at both H=896 and H=3584 (of 4, 8, 12
     and 33); the fp32 partial sums take splits x C x H x 4 bytes."""
     return 3 if _interpreting() else 4
+
+
+def aligned_empty(rows, cols, **kwargs):
+    """An uninitialised (rows, cols) tensor whose rows start on 16 bytes (a view of a wider buffer
+    when cols * itemsize is not a multiple of 16), as bulk tensor copies need."""
+    itemsize = torch.empty((), dtype=kwargs.get("dtype")).element_size()
+    align = 16 // itemsize
+    return torch.empty(rows, -(-cols // align) * align, **kwargs)[:, :cols]
 
 
 def _precision(t):
@@ -156,11 +164,11 @@ def dh(dz, weight, n_rows):
     C, V = dz.shape
     H = weight.shape[1]
     block_r, block_h, block_v, warps, stages = _dh_blocks(H, dz.element_size())
-    splits = _dh_splits(C, H, block_r, block_h)
+    splits = _dh_splits()
     k_per_split = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, k_per_split)
     c_pad = triton.cdiv(C, block_r) * block_r
-    part = torch.empty(splits * c_pad, H, dtype=torch.float32, device=dz.device)
+    part = aligned_empty(splits * c_pad, H, dtype=torch.float32, device=dz.device)
     weight = _tma_ready(weight)
     grid = (triton.cdiv(C, block_r), triton.cdiv(H, block_h), splits)
     _dh_kernel[grid](

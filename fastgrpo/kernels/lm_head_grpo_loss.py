@@ -223,10 +223,10 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         # many chunks (see _dw_in_fp32)
         dw_fp32 = need_dw and _dw_in_fp32(len(chunks), weight.dtype)
         d_weight = None
-        if need_dw:
-            d_weight = torch.zeros(
-                V, H, dtype=torch.float32 if dw_fp32 else weight.dtype, device=weight.device
-            )
+        if need_dw:  # rows on 16 bytes: the dW kernel reads and writes it by TMA
+            dw_dtype = torch.float32 if dw_fp32 else weight.dtype
+            d_weight = backward_gemms.aligned_empty(V, H, dtype=dw_dtype, device=weight.device)
+            d_weight.zero_()
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         triton_gemms = BACKWARD_GEMMS == "triton"
@@ -245,10 +245,10 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         buffer_dtype = (
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
-        # rows padded to a multiple of 8 entries: the statistics kernel stores by TMA (16-byte rows)
-        logits = torch.empty(
-            min(chunk_rows, N), -(-V // 8) * 8, dtype=buffer_dtype, device=hidden.device
-        )[:, :V]
+        # rows on 16 bytes: the statistics kernel stores the logits by TMA
+        logits = backward_gemms.aligned_empty(
+            min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device
+        )
         z = None
         for start, end in chunks:
             z = logits[: end - start]

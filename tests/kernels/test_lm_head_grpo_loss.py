@@ -70,14 +70,18 @@ def test_fused_loss_and_gradients_match_the_float64_reference(settings, chunk_ro
     _check_fused_against_reference(settings, chunk_rows)
 
 
+def test_fused_loss_with_rows_not_16_byte_aligned_matches_the_reference():
+    _check_fused_against_reference(VARIANTS[2], 4, h=13)  # 13 x 4 bytes: padded buffers
+
+
 @pytest.mark.parametrize("settings", VARIANTS[:2], ids=lambda s: s["loss_type"])
 def test_fused_loss_with_torch_backward_gemms_matches_the_reference(monkeypatch, settings):
     monkeypatch.setattr(fused, "BACKWARD_GEMMS", "cublas")
     _check_fused_against_reference(settings, 4)
 
 
-def _check_fused_against_reference(settings, chunk_rows):
-    hidden, weight, targets, mask, advantages, noise = _batch(1)
+def _check_fused_against_reference(settings, chunk_rows, h=32):
+    hidden, weight, targets, mask, advantages, noise = _batch(1, h=h)
     t = mask.shape[1]
     weights = fused.token_weights(mask, settings["loss_type"], max_completion_length=t).reshape(-1)
     adv = advantages.repeat_interleave(t)
