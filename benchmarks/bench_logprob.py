@@ -217,12 +217,7 @@ def main():
     parser.add_argument(
         "--fp32-dw", action="store_true", help="sum dW across chunks in fp32 at any chunk count"
     )
-    parser.add_argument(
-        "--no-overlap", action="store_true", help="one logits buffer, no second stream"
-    )
     args = parser.parse_args()
-    if args.no_overlap:
-        fused_module.OVERLAP_DLOGITS = False
     if args.fp32_dw:
         fused_module.MAX_LOW_PRECISION_CHUNKS = 0
     shapes = SHAPES[:1] if args.quick else SHAPES

@@ -21,8 +21,6 @@ statistics for all rows, then the gradient pass with the logits recomputed (8*N*
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from fastgrpo.algo.kl import kl_penalty
@@ -36,8 +34,7 @@ if triton is not None:
     import triton.language as tl
 
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-DEFAULT_CHUNK_BYTES = 896 * 2**20  # bf16 logits in flight: 2 x 1536 rows at a 152k vocabulary
-OVERLAP_DLOGITS = True  # two logits buffers on a GPU (see _FusedLMHeadLoss.forward)
+DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: ~2k rows at a 152k vocabulary
 # The two backward GEMMs: "triton" (lm_head_backward: rows known to have no gradient skipped, on
 # the device) or "cublas" (torch.mm, every row; 3-5% faster when no row can be skipped).
 BACKWARD_GEMMS = "triton"
@@ -248,60 +245,29 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         buffer_dtype = (
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
-        # Two logits buffers on a GPU: chunk i+1's dlogits pass (memory-bound, on a side stream)
-        # runs while chunk i's GEMMs (compute-bound) run on the main stream.
-        overlap = _logits_buffers() == 2 and hidden.is_cuda and len(chunks) > 1
-        main = torch.cuda.current_stream() if overlap else None
-        side = torch.cuda.Stream() if overlap else None
         # rows on 16 bytes: the statistics kernel stores the logits by TMA
-        buffers = [
-            backward_gemms.aligned_empty(
-                min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device
-            )
-            for _ in range(2 if overlap else 1)
-        ]
-        counts = []  # per chunk: rows with GEMM work, rows the dlogits pass writes (kept to the end)
+        logits = backward_gemms.aligned_empty(
+            min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device
+        )
+        z = None
         for start, end in chunks:
+            z = logits[: end - start]
+            lp, ent, chunk_lse = lm_head_stats_triton(
+                hidden[start:end], weight, targets[start:end], temperature, logits_out=z
+            )
+            if whole_loss is None:
+                logp[start:end], entropy[start:end] = lp, ent
+                part, g, ge = chunk_loss(start, end, lp, ent)
+                loss += part
+            else:  # the recomputed statistics are bitwise those of the first pass
+                g, ge = g_all[start:end], ge_all[start:end]
             rows = end - start
             if triton_gemms:  # only the leading rows that can carry a gradient get GEMM work
                 n = (active_rows - start).clamp(0, rows).to(torch.int32)
                 limit = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK  # dz zeros to a block edge
             else:
                 n = limit = torch.full((), rows, dtype=torch.int32, device=hidden.device)
-            counts.append((n, limit))
-        dz_ready = [None] * len(chunks)
-
-        def front(i):
-            """Statistics (and the logits) of chunk i, its loss terms, then dlogits in place."""
-            nonlocal loss
-            start, end = chunks[i]
-            z = buffers[i % len(buffers)][: end - start]
-            lp, ent, chunk_lse = lm_head_stats_triton(
-                hidden[start:end], weight, targets[start:end], temperature, logits_out=z
-            )
-            if overlap:
-                side.wait_stream(main)
-                for t in (lp, ent, chunk_lse):
-                    t.record_stream(side)  # made on the main stream, read on the side stream
-            with torch.cuda.stream(side) if overlap else contextlib.nullcontext():
-                if whole_loss is None:
-                    logp[start:end], entropy[start:end] = lp, ent
-                    part, g, ge = chunk_loss(start, end, lp, ent)
-                    loss += part
-                else:  # the recomputed statistics are bitwise those of the first pass
-                    g, ge = g_all[start:end], ge_all[start:end]
-                _dlogits_(z, targets[start:end], chunk_lse, ent, g, ge, temperature, counts[i][1])
-                if overlap:
-                    dz_ready[i] = torch.cuda.Event()
-                    dz_ready[i].record(side)
-
-        def back(i):
-            """The two GEMMs of chunk i: d(hidden) rows and the d(weight) sum."""
-            start, end = chunks[i]
-            z = buffers[i % len(buffers)][: end - start]
-            n = counts[i][0]
-            if overlap:
-                main.wait_event(dz_ready[i])
+            _dlogits_(z, targets[start:end], chunk_lse, ent, g, ge, temperature, limit)
             if need_dh and triton_gemms:
                 d_hidden[start:end] = backward_gemms.dh(z, weight.to(buffer_dtype), n)
             elif need_dh:
@@ -312,19 +278,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                 _add_matmul_f32_(d_weight, z.t(), hidden[start:end].to(buffer_dtype))
             elif need_dw:  # fp32 accumulation inside the GEMM, one rounding to the weight's dtype
                 d_weight.addmm_(z.t(), hidden[start:end].to(buffer_dtype))
-
-        # With two buffers the order is front(0), front(1), back(0), front(2), back(1), ...: chunk
-        # i+2's statistics overwrite buffer i % 2 only after chunk i's GEMMs (same stream).
-        for i in range(len(chunks)):
-            front(i)
-            if not overlap:
-                back(i)
-            elif i > 0:
-                back(i - 1)
-        if overlap:
-            back(len(chunks) - 1)
-            main.wait_stream(side)
-        buffers.clear()  # free the chunk buffers before the bf16 copy of dW: this sets the peak
+        del logits, z  # free the chunk buffer before the bf16 copy of dW: this sets the peak
         # Kept on ctx, not saved for backward: backward scales them in place and hands them over,
         # so no second [V, H] copy is made (the gradient is the only dW buffer left).
         ctx.grads = (d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
@@ -424,15 +378,10 @@ def _dw_in_fp32(n_chunks, dtype) -> bool:
     return n_chunks > MAX_LOW_PRECISION_CHUNKS
 
 
-def _logits_buffers() -> int:
-    return 2 if OVERLAP_DLOGITS and torch.cuda.is_available() and not _interpreting() else 1
-
-
 def _chunk_rows(weight, chunk_bytes) -> int:
-    """Rows per chunk for a logits budget shared by the buffers in flight: a multiple of 512 rows
-    where it can be (whole waves of the statistics kernel: 4 row blocks x SMs/4 vocabulary
-    splits), else of 128."""
-    rows = chunk_bytes // (2 * weight.shape[0] * _logits_buffers())
+    """Rows per chunk for a logits budget: a multiple of 512 rows where it can be (whole waves of
+    the statistics kernel: 4 row blocks x SMs/4 vocabulary splits), else of 128."""
+    rows = chunk_bytes // (2 * weight.shape[0])
     return max(128, rows // 512 * 512 if rows >= 512 else rows // 128 * 128)
 
 
