@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels.lm_head_stats import TensorDescriptor, _interpreting, _tma_ready, triton
+from fastgrpo.kernels.lm_head_stats import (
+    TensorDescriptor,
+    _interpreting,
+    _tma_ready,
+    aligned_empty,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -122,14 +128,6 @@ def _dh_splits() -> int:
     """Vocabulary splits for dH. 4 was the best measured at both H=896 and H=3584 (of 4, 8, 12
     and 33); the fp32 partial sums take splits x C x H x 4 bytes."""
     return 3 if _interpreting() else 4
-
-
-def aligned_empty(rows, cols, **kwargs):
-    """An uninitialised (rows, cols) tensor whose rows start on 16 bytes (a view of a wider buffer
-    when cols * itemsize is not a multiple of 16), as bulk tensor copies need."""
-    itemsize = torch.empty((), dtype=kwargs.get("dtype")).element_size()
-    align = 16 // itemsize
-    return torch.empty(rows, -(-cols // align) * align, **kwargs)[:, :cols]
 
 
 def _precision(t):

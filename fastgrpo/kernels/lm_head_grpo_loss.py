@@ -27,7 +27,12 @@ from fastgrpo.algo.kl import kl_penalty
 from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
 from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
-from fastgrpo.kernels.lm_head_stats import _interpreting, lm_head_stats_triton, triton
+from fastgrpo.kernels.lm_head_stats import (
+    _interpreting,
+    aligned_empty,
+    lm_head_stats_triton,
+    triton,
+)
 from fastgrpo.kernels.token_loss import token_loss_and_grads
 
 if triton is not None:
@@ -225,7 +230,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         d_weight = None
         if need_dw:  # rows on 16 bytes: the dW kernel reads and writes it by TMA
             dw_dtype = torch.float32 if dw_fp32 else weight.dtype
-            d_weight = backward_gemms.aligned_empty(V, H, dtype=dw_dtype, device=weight.device)
+            d_weight = aligned_empty(V, H, dtype=dw_dtype, device=weight.device)
             d_weight.zero_()
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
@@ -246,9 +251,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
         # rows on 16 bytes: the statistics kernel stores the logits by TMA
-        logits = backward_gemms.aligned_empty(
-            min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device
-        )
+        logits = aligned_empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
         z = None
         for start, end in chunks:
             z = logits[: end - start]

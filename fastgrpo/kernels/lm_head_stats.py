@@ -189,15 +189,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def aligned_empty(rows, cols, **kwargs):
+    """An uninitialised (rows, cols) tensor whose rows start on 16 bytes (a view of a wider buffer
+    when cols * itemsize is not a multiple of 16), as bulk tensor copies (TMA) need."""
+    itemsize = torch.empty((), dtype=kwargs.get("dtype")).element_size()
+    align = 16 // itemsize
+    return torch.empty(rows, -(-cols // align) * align, **kwargs)[:, :cols]
+
+
 def _tma_ready(x):
     """x itself when a bulk tensor copy (TMA) can read it: row-major, rows and base 16-byte aligned.
-    Otherwise a copy with zero columns appended (they add nothing to the dot products)."""
+    Otherwise a copy into an `aligned_empty` buffer (TMA reads past its columns as zeros)."""
     if x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0:
         return x
-    align = 16 // x.element_size()
-    padded = x.new_zeros(x.shape[0], triton.cdiv(x.shape[1], align) * align)
-    padded[:, : x.shape[1]] = x
-    return padded
+    return aligned_empty(*x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _blocks(H: int, itemsize: int = 2) -> tuple[int, ...]:
