@@ -1,5 +1,12 @@
-"""Model loading (HF, hub ids, GGUF, built-in names); the native model arrives here later."""
+"""Models: the native Llama-family transformer and its loading; HF loading for everything else.
 
+`transformer` holds the native decoder (Llama 2/3, Qwen2/2.5/3, Mistral, SmolLM2) that the trainer
+and rollout engine share, and `load_native_model`; `attention` the packed-sequence attention
+callback; `loading` resolves names (built-ins, hub ids, local directories, GGUF) and loads
+Hugging Face models, the path for architectures `is_supported` says no to.
+"""
+
+from fastgrpo.models.attention import PackedCausalAttention, causal_attention_ref
 from fastgrpo.models.loading import (
     ModelNotFoundError,
     load_model,
@@ -8,10 +15,24 @@ from fastgrpo.models.loading import (
     resolve_model,
     stop_token_ids,
 )
+from fastgrpo.models.transformer import (
+    ModelConfig,
+    Transformer,
+    UnsupportedModelError,
+    is_supported,
+    load_native_model,
+)
 
 __all__ = [
+    "ModelConfig",
     "ModelNotFoundError",
+    "PackedCausalAttention",
+    "Transformer",
+    "UnsupportedModelError",
+    "causal_attention_ref",
+    "is_supported",
     "load_model",
+    "load_native_model",
     "resolve_device",
     "resolve_dtype",
     "resolve_model",

@@ -1,0 +1,504 @@
+"""The native decoder for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM2), and
+its loading from Hugging Face safetensors checkpoints.
+
+What: one implementation with per-family flags (q/k/v bias, o_proj bias, q/k RMSNorm, llama3 RoPE
+scaling, sliding windows), whose parameter names are exactly the Hugging Face ones, so an HF
+safetensors state dict loads with `load_state_dict(strict=True)` and ours saves as an HF checkpoint.
+`load_native_model(name)` takes anything `resolve_model` takes (GGUF arrives as a converted
+safetensors directory) and reads the safetensors straight onto the device: no HF model is built.
+
+Why: the trainer and the rollout engine share these very parameter tensors (weight "sync" is free)
+and the same numerics, so rollout log-probs match trainer log-probs. The model knows nothing of
+caches or sequence boundaries: each layer hands its q, k, v (after bias, q/k norm and RoPE) to an
+`attend(layer_index, q, k, v)` callback. Training passes `PackedCausalAttention` (packed rows, no
+padding); the generation engine passes one that reads and writes its KV cache.
+
+`forward` returns the final hidden states after the last norm, never logits: the loss projects
+only the rows it needs through `lm_head_weight` in a fused kernel. Numerics follow transformers:
+RMSNorm in fp32 then cast back, RoPE tables in fp32 cast to the activation dtype, rotate_half.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fastgrpo.models.attention import PackedCausalAttention
+from fastgrpo.models.loading import (
+    ModelNotFoundError,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+# attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D)) -> (T, Hq, D)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not one the native transformer implements; use the Hugging Face path."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE interpolation (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    attention_bias: bool = False  # bias on q/k/v
+    o_proj_bias: bool = False  # Llama's and Qwen3's `attention_bias` also biases o_proj
+    mlp_bias: bool = False  # Llama's `mlp_bias`
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None  # None unless some layer actually slides
+    sliding_layers: tuple[int, ...] = ()  # the layers that slide when sliding_window is set
+    pad_token_id: int | None = None  # as in HF: that embedding row gets no gradient
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: the sliding window (each query sees that many keys, itself included) or None."""
+        sliding = set(self.sliding_layers) if self.sliding_window is not None else set()
+        return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
+
+    @classmethod
+    def from_hf(cls, config) -> ModelConfig:
+        """From a transformers `PretrainedConfig` or a config.json dict (transformers 4.x or 5.x)."""
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} has no native implementation (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}); such models still train through the "
+                f"Hugging Face path."
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(
+                f"{model_type} with hidden_act={cfg['hidden_act']!r}: the native transformer has "
+                f"only SiLU-gated MLPs; this model still trains through the Hugging Face path."
+            )
+        try:
+            hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+            layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
+            intermediate = cfg["intermediate_size"]
+        except KeyError as missing:
+            raise ValueError(f"the {model_type} config has no {missing} entry") from None
+        max_positions = cfg.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]
+        theta, scaling = _rope_settings(cfg, model_type, max_positions)
+        bias = bool(cfg.get("attention_bias", False))
+        window, sliding_layers = _sliding_settings(cfg, model_type, layers)
+        head_dim = cfg.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)
+        pad = cfg.get("pad_token_id")
+        return cls(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            # Qwen2 always biases q/k/v (never o_proj); Mistral never; Llama and Qwen3 follow
+            # `attention_bias` on all four projections.
+            attention_bias={"qwen2": True, "mistral": False}.get(model_type, bias),
+            o_proj_bias=bias if model_type in ("llama", "qwen3") else False,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_positions,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else None,
+        )
+
+
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+
+
+def _rope_settings(cfg: dict, model_type: str, max_positions: int):
+    """(theta, llama3 scaling or None) from `rope_parameters` (5.x) or `rope_theta`/`rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        raise UnsupportedModelError(
+            f"{model_type} with per-layer-type RoPE parameters is not implemented natively; "
+            f"this model still trains through the Hugging Face path."
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta") or 10_000.0))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise UnsupportedModelError(
+            f"{model_type} with partial_rotary_factor={partial} is not implemented natively; "
+            f"this model still trains through the Hugging Face path."
+        )
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        scaling = Llama3RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings") or max_positions
+            ),
+        )
+        return theta, scaling
+    raise UnsupportedModelError(
+        f"{model_type} with rope scaling type {rope_type!r} is not implemented natively (only "
+        f"'default' and 'llama3'); this model still trains through the Hugging Face path."
+    )
+
+
+def _sliding_settings(cfg: dict, model_type: str, layers: int):
+    """(window or None, sliding layer indices), as each transformers model decides them."""
+    if model_type == "mistral":  # every layer, whenever a window is set (4096 when absent)
+        window = cfg.get("sliding_window", 4096)
+        return (window, tuple(range(layers))) if window else (None, ())
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if model_type in ("qwen2", "qwen3") and window:  # layers from max_window_layers on slide
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+            for i in range(layers)
+        ]
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return (window, sliding) if sliding else (None, ())
+    return None, ()
+
+
+def is_supported(config) -> bool:
+    """Whether the native transformer implements this HF config (a `PretrainedConfig` or dict)."""
+    try:
+        ModelConfig.from_hf(config)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim / 2,) fp32 inverse frequencies on the CPU, llama3-rescaled when configured."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim  # (D/2,)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Wavelengths shorter than the original context / high_freq_factor keep their frequency,
+    # longer than context / low_freq_factor are slowed by `factor`, and in between interpolate.
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slowed = inv_freq / scaling.factor
+    smooth = (context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * slowed + smooth * inv_freq
+    out = torch.where(wavelen > context / scaling.low_freq_factor, slowed, inv_freq)
+    is_medium = (wavelen <= context / scaling.low_freq_factor) & (
+        wavelen >= context / scaling.high_freq_factor
+    )
+    return torch.where(is_medium, blended, out)
+
+
+class RotaryTable:
+    """cos/sin tables in fp32 for positions 0..n-1, grown on demand; not parameters or buffers,
+    so `model.to(bfloat16)` cannot round them and state dicts stay exactly the HF ones."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq  # (D/2,)
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def reserve(self, n: int, device: torch.device) -> None:
+        if self.cos is not None and self.cos.device == device and self.cos.shape[0] >= n:
+            return
+        current = 0 if self.cos is None else self.cos.shape[0]
+        n = max(n, 2 * current, 256)
+        freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(
+            device
+        )  # (n, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def lookup(self, positions: torch.Tensor, bound: int, dtype: torch.dtype):
+        self.reserve(bound, positions.device)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, D) each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D) rotated by cos/sin (T, D), in the rotate_half convention of HF."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(self.layer_index, q, k, v)  # (T, Hq, D)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # (T, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)  # (T, H)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (T, H)
+
+
+class Decoder(nn.Module):
+    """Holds what HF keeps under `model.`: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM with HF parameter names; `forward` gives final hidden states, not logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryTable(rope_inv_freq(config))
+        self.activation_checkpointing = False
+        self.register_load_state_dict_pre_hook(_drop_derived_keys)
+
+    @property
+    def lm_head_weight(self) -> nn.Parameter:
+        """(V, H): the LM head, which is the embedding matrix when the two are tied."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        *,
+        position_bound: int | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (T, H) after the final norm for tokens (T,) at positions (T,).
+
+        `position_bound` (> every position) spares the device-to-host read of positions.max()
+        that sizes the RoPE table: the rollout engine passes its cache length, so a decode step
+        (or a CUDA graph capturing one) never waits on the host.
+        """
+        if position_bound is None:
+            position_bound = int(positions.max()) + 1 if positions.numel() else 1
+        x = self.model.embed_tokens(input_ids)  # (T, H)
+        cos, sin = self.rotary.lookup(positions, position_bound, x.dtype)  # (T, D) each
+        use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if use_checkpoint:
+                x = checkpoint(layer, x, cos, sin, attend, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attend)
+        return self.model.norm(x)  # (T, H)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)  # (T, V)
+
+    def packed_attention(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedCausalAttention:
+        """The training-time callback for these packed rows, with this model's sliding windows."""
+        return PackedCausalAttention(cu_seqlens, max_seqlen, self.config.layer_windows)
+
+
+def _drop_derived_keys(module, state_dict, prefix, *args) -> None:
+    """HF modules list a tied `lm_head.weight` (checkpoints do not) and old checkpoints keep RoPE
+    `inv_freq` buffers; neither is state of ours, so both load as no-ops, as in transformers."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(DERIVED_SUFFIXES)]:
+        del state_dict[key]
+    if module.config.tie_word_embeddings:
+        state_dict.pop(prefix + "lm_head.weight", None)
+
+
+DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+# ----------------------------------------------------------------------------- loading
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def load_native_model(
+    name: str,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "auto",
+    revision: str | None = None,
+) -> Transformer:
+    """The native transformer for `name` (anything `resolve_model` accepts), weights loaded.
+
+    The model is built on the meta device and the safetensors tensors, read onto `device` and
+    cast to `dtype`, become its parameters (`assign=True`): no second copy, no HF model object.
+    """
+    directory = native_model_dir(name, revision)
+    config = read_model_config(directory)  # unsupported architectures stop here
+    torch_device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(
+        read_state_dict(directory, torch_dtype, torch_device), strict=True, assign=True
+    )
+    return model
+
+
+def native_model_dir(name: str, revision: str | None = None) -> Path:
+    """A local HF directory for `name`; a hub id is downloaded, its config.json checked first."""
+    source = resolve_model(name, revision)
+    if Path(source.path).is_dir():
+        return Path(source.path)
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    try:
+        config_file = hf_hub_download(source.path, "config.json", revision=revision)
+        read_model_config(Path(config_file).parent)  # fail before downloading any weights
+        return Path(snapshot_download(source.path, revision=revision, allow_patterns=HUB_PATTERNS))
+    except OSError as error:  # network, unknown and gated repositories all raise OSErrors
+        raise ModelNotFoundError(f"could not download {source.description}: {error}") from error
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    """The directory's config.json as a ModelConfig; UnsupportedModelError for other models."""
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"{directory} has no config.json")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / shard for shard in shards]
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    raise ModelNotFoundError(
+        f"{directory} has neither model.safetensors nor model.safetensors.index.json; the native "
+        f"transformer reads safetensors only (re-save the model with `save_pretrained`)."
+    )
+
+
+def read_state_dict(directory, dtype: torch.dtype, device: torch.device) -> dict:
+    """Every tensor of the checkpoint on `device`, the floating-point ones cast to `dtype`."""
+    from safetensors import safe_open
+
+    state = {}
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for key in shard.keys():
+                tensor = shard.get_tensor(key)
+                state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state
+
+
+def save_safetensors(model: Transformer, directory: str | Path) -> Path:
+    """The parameters as an HF `model.safetensors` in `directory` (config.json is the caller's)."""
+    from safetensors.torch import save_file
+
+    path = Path(directory) / "model.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+    return path
