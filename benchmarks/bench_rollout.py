@@ -1,0 +1,226 @@
+"""Rollout speed: the native engine vs Hugging Face `generate` (dynamic and static cache).
+
+Workloads as in issue 4 and PERFORMANCE.md, random bf16 weights of real shapes, every completion
+forced to its full length (the only stop id is one the model cannot sample):
+  A. Qwen2.5-0.5B shape, 64 sequences, prompt 128, 256 new tokens: ms per decode step;
+  B. the same shape, 256 sequences, prompt 256, 1024 new tokens: tokens/s;
+  C. Qwen2.5-7B shape, 64 sequences, prompt 256, 512 new tokens: ms per step against the floor;
+  D. a whole GRPO rollout incl. prefill: 8 prompts x 8 samples x 256 tokens, 0.5B shape: seconds.
+ms per decode step = (time for N new tokens - time for 1 new token) / (N - 1), so the prefill is
+left out. The floor is the bytes one step must read (weights + the average KV cache) over the
+copy bandwidth measured in the same run. Prints a table, then one JSON line.
+Run on a CUDA GPU:  python benchmarks/bench_rollout.py [--quick] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastgrpo.models.transformer import ModelConfig, Transformer  # noqa: E402
+from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
+from fastgrpo.rollout.kv_cache import kv_bytes_per_token  # noqa: E402
+from fastgrpo.rollout.sampling import SamplingParams  # noqa: E402
+
+SHAPES = {
+    "0.5B": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "7B": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+}
+PARAMS = SamplingParams(temperature=1.0)
+
+
+def hf_config(shape):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+
+
+def native_model(shape):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Transformer(ModelConfig.from_hf(hf_config(shape))).to(torch.bfloat16)
+    for name, p in model.named_parameters():  # small random weights: activations stay finite
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0, 0.02)
+    return model.eval()
+
+
+def hf_model(ours, shape):
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(hf_config(shape)).to(torch.bfloat16).eval()
+    model.load_state_dict(ours.state_dict(), strict=False)
+    return model
+
+
+def prompts_of(count, length, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 1, (count, length), generator=gen).tolist()
+
+
+def timed(fn, reps=3):
+    """Median wall seconds of fn() with the GPU synchronised around each call (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def ours_seconds(model, prompts, samples, new_tokens, graphs=True):
+    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
+    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=graphs)
+    run = lambda: engine.generate(  # noqa: E731
+        prompts, num_samples=samples, max_new_tokens=new_tokens, params=PARAMS, seed=1
+    )
+    return timed(run)
+
+
+def hf_seconds(model, prompts, samples, new_tokens, cache):
+    ids = torch.tensor(prompts, device="cuda").repeat_interleave(samples, 0)
+    options = dict(
+        max_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    if cache == "static":
+        options["cache_implementation"] = "static"
+    return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **options), 2)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), reps=10)
+    return 2 * src.numel() / seconds
+
+
+def floor_ms(model, rows, prompt, new_tokens, bandwidth):
+    """Weights + the average KV cache one step reads, at the measured bandwidth."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = kv_bytes_per_token(model.config, torch.bfloat16) * rows * (prompt + new_tokens / 2)
+    return (weights + kv) / bandwidth * 1e3
+
+
+def step_ms(seconds_fn, new_tokens):
+    """ms per decode step from a run of `new_tokens` and a run of 1 token."""
+    return (seconds_fn(new_tokens) - seconds_fn(1)) / (new_tokens - 1) * 1e3
+
+
+def decode_rows(shape, rows, prompt, new_tokens, bandwidth, name, *, peers=False, with_hf=False):
+    """ms per decode step of the engine; with `peers` also without graphs and (`with_hf`) HF's."""
+    model = native_model(shape)
+    prompts = prompts_of(rows, prompt, model.config.vocab_size)
+    floor = floor_ms(model, rows, prompt, new_tokens, bandwidth)
+    out = []
+    methods = [("fastgrpo engine", lambda n: ours_seconds(model, prompts, 1, n))]
+    if peers:
+        methods.append(
+            ("fastgrpo engine, no CUDA graph", lambda n: ours_seconds(model, prompts, 1, n, False))
+        )
+    if peers and with_hf:
+        hf = hf_model(model, shape)
+        methods += [
+            ("HF generate, dynamic cache", lambda n: hf_seconds(hf, prompts, 1, n, "dynamic")),
+            ("HF generate, static cache", lambda n: hf_seconds(hf, prompts, 1, n, "static")),
+        ]
+    for method, fn in methods:
+        ms = step_ms(fn, new_tokens)
+        out.append(
+            {
+                "workload": name,
+                "shape": shape,
+                "method": method,
+                "ms_per_step": ms,
+                "tokens_per_s": rows / ms * 1e3,
+                "floor_ms": floor,
+                "x_floor": ms / floor,
+            }
+        )
+        print(f"{name:<2} {shape:<5} {method:<34} {ms:8.3f} ms/step  {ms / floor:5.2f}x floor")
+    return out
+
+
+def whole_rollout(with_hf):
+    model = native_model("0.5B")
+    prompts = prompts_of(8, 128, model.config.vocab_size)
+    rows = [("fastgrpo engine", ours_seconds(model, prompts, 8, 256))]
+    if with_hf:
+        hf = hf_model(model, "0.5B")
+        rows.append(("HF generate, static cache", hf_seconds(hf, prompts, 8, 256, "static")))
+    out = []
+    for method, seconds in rows:
+        out.append({"workload": "D", "shape": "0.5B", "method": method, "seconds": seconds})
+        print(f"D  0.5B  {method:<34} {seconds:8.3f} s per rollout (8 x 8 x 256, prefill incl.)")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="workload A only")
+    parser.add_argument("--no-hf", action="store_true", help="leave out HF generate")
+    args = parser.parse_args()
+    with_hf = not args.no_hf
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    results = decode_rows("0.5B", 64, 128, 256, bandwidth, "A", peers=True, with_hf=with_hf)
+    if not args.quick:
+        for workload in (
+            lambda: decode_rows("0.5B", 256, 256, 1024, bandwidth, "B"),
+            lambda: decode_rows("7B", 64, 256, 512, bandwidth, "C"),
+            lambda: whole_rollout(with_hf),
+        ):
+            torch.cuda.empty_cache()  # the previous workload's model is gone
+            results += workload()
+    print(
+        json.dumps(
+            {
+                "bench": "rollout",
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "commit": os.environ.get("FASTGRPO_COMMIT", "unknown"),
+                "copy_bandwidth_tb_s": bandwidth / 1e12,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

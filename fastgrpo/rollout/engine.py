@@ -1,0 +1,199 @@
+"""The native generation engine: G samples of each prompt from the trainer's own model.
+
+A rollout, for P prompts and G samples each (rows b = p * G + g):
+  1. prefill: the P prompts, packed (no padding), run once; their keys and values go into the
+     prompt part of the KV cache, shared by the G samples; the last prompt token's logits give
+     every sample's first token;
+  2. decode: one token per row per step; each step writes one completion slot of the cache,
+     samples on the device (counter-based noise: a sample's tokens depend only on its seed) and
+     updates lengths and finish flags on the device. The host looks at the finish flags only every
+     `check_every` steps, to stop early. On a GPU the step is a CUDA graph (`decode.py`).
+Rows that have finished keep stepping (their outputs are masked) until the whole wave is done.
+
+The engine reads the model's parameter tensors directly: an optimizer step changes what the next
+rollout samples, with no copy. Rows are split into waves whose KV cache fits `memory_bytes`; the
+counter-based sampler makes the result the same however the rows are split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.rollout.decode import WaveBuffers
+from fastgrpo.rollout.kv_cache import kv_bytes_per_token
+from fastgrpo.rollout.sampling import SamplingParams
+
+DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
+PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
+KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
+
+
+@dataclass
+class Generation:
+    """What one `generate` call returns, on the model's device."""
+
+    tokens: torch.Tensor  # (B, T) completion tokens; pad id after the stop token
+    logp: torch.Tensor  # (B, T) fp32 log-probs of the sampled tokens at the temperature; 0 after
+    lengths: torch.Tensor  # (B,) int64 tokens up to and including the stop token
+    finished: torch.Tensor  # (B,) bool: True ended at a stop token, False cut at the length limit
+
+
+def sample_seeds(seed: int, rows: int, device) -> torch.Tensor:
+    """(rows,) int64 per-sample seeds: distinct for every (seed, row) with seed < 2**31."""
+    return (seed << 32) + torch.arange(rows, dtype=torch.int64, device=device)
+
+
+class RolloutEngine:
+    def __init__(
+        self,
+        model,
+        *,
+        stop_ids: list[int],
+        pad_id: int,
+        memory_bytes: int | None = None,
+        check_every: int = 8,
+        cuda_graphs: bool = True,
+    ):
+        if not stop_ids:
+            raise ValueError("stop_ids is empty: give at least one token id that ends a completion")
+        self.model = model
+        self.device = model.lm_head_weight.device
+        self.dtype = model.lm_head_weight.dtype
+        self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=self.device)
+        self.pad_id = pad_id
+        self.memory_bytes = memory_bytes
+        self.check_every = check_every
+        self.cuda_graphs = cuda_graphs
+        self._kept: dict[tuple, WaveBuffers] = {}
+
+    # ------------------------------------------------------------------ public
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        params: SamplingParams,
+        seed: int = 0,
+        seeds: torch.Tensor | None = None,
+    ) -> Generation:
+        """`num_samples` completions of each prompt (token ids), rows grouped by prompt.
+
+        `seeds` (P * num_samples,) int64 overrides the per-sample seeds derived from `seed`.
+        """
+        self._check(prompts, num_samples, max_new_tokens)
+        rows = len(prompts) * num_samples
+        if seeds is None:
+            seeds = sample_seeds(seed, rows, self.device)
+        seeds = seeds.to(self.device)
+        parts = []
+        for first, count, sample, group in self._waves(prompts, num_samples, max_new_tokens):
+            row0 = first * num_samples + sample  # rows of a wave are contiguous
+            wave_seeds = seeds[row0 : row0 + count * group]
+            wave_prompts = prompts[first : first + count]
+            parts.append(self._wave(wave_prompts, group, max_new_tokens, params, wave_seeds))
+        return _concat(parts)
+
+    # ------------------------------------------------------------------ planning
+
+    def _check(self, prompts, num_samples, max_new_tokens):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("an empty prompt was given: every prompt needs at least one token")
+        if num_samples < 1 or max_new_tokens < 1:
+            raise ValueError(
+                f"num_samples and max_new_tokens must be >= 1, got {num_samples}, {max_new_tokens}"
+            )
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        windows = [w for w in getattr(self.model.config, "layer_windows", ()) if w is not None]
+        if windows and longest > min(windows):
+            raise ValueError(
+                f"prompt + completion reaches {longest} tokens, past the model's sliding attention "
+                f"window ({min(windows)}), which the engine's decode attention does not apply; "
+                "shorten prompts or max_new_tokens"
+            )
+        if limit and longest > limit:
+            raise ValueError(
+                f"prompt + completion reaches {longest} tokens, past the model's "
+                f"max_position_embeddings ({limit}); shorten prompts or max_new_tokens"
+            )
+
+    def _budget(self) -> int:
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.7)
+        return DEFAULT_CPU_MEMORY_BYTES
+
+    def _row_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Memory one sample row costs in a wave: its completion cache, a 1/1 share of its prompt's
+        cache (counted in full, which is safe for G >= 1), and the sampler's fp32 logits work."""
+        cfg = self.model.config
+        per_token = kv_bytes_per_token(cfg, self.dtype)
+        return per_token * (prompt_len + max_new_tokens) + 4 * 4 * cfg.vocab_size
+
+    def _waves(self, prompts, num_samples, max_new_tokens):
+        """(first prompt, prompts in the wave, first sample, samples per prompt) per wave: whole
+        groups when one fits; otherwise one prompt per wave with its samples split."""
+        longest = max(len(p) for p in prompts)
+        fit = max(1, self._budget() // self._row_bytes(longest, max_new_tokens))
+        if fit >= num_samples:
+            per_wave = fit // num_samples
+            for first in range(0, len(prompts), per_wave):
+                yield first, min(per_wave, len(prompts) - first), 0, num_samples
+            return
+        for prompt in range(len(prompts)):
+            for sample in range(0, num_samples, fit):
+                yield prompt, 1, sample, min(fit, num_samples - sample)
+
+    # ------------------------------------------------------------------ one wave
+
+    def _wave(self, prompts, group, max_new_tokens, params, seeds) -> Generation:
+        wave = self._buffers(len(prompts), group, max(map(len, prompts)), max_new_tokens, params)
+        wave.start(prompts, seeds)
+        for t in range(1, max_new_tokens):
+            wave.step()
+            if t % self.check_every == 0 and bool(wave.state.finished.all()):
+                break
+        return Generation(*wave.result())
+
+    def _buffers(self, num_prompts, group, prompt_len, max_new_tokens, params) -> WaveBuffers:
+        """Buffers (and graph) for this wave shape: reused when the shape comes again."""
+        capacity = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
+        key = (num_prompts, group, capacity, max_new_tokens, params)
+        wave = self._kept.pop(key, None)
+        if wave is None:
+            wave = WaveBuffers(
+                self.model,
+                *key,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                cuda_graph=self.cuda_graphs,
+            )
+        self._kept[key] = wave  # most recently used last
+        while len(self._kept) > KEEP_WAVE_SHAPES:
+            self._kept.pop(next(iter(self._kept)))
+        return wave
+
+    def release(self) -> None:
+        """Free the kept buffers and graphs (the next rollout makes them again)."""
+        self._kept.clear()
+
+
+def _concat(parts: list[Generation]) -> Generation:
+    """One Generation from waves (all waves have the same width)."""
+    if len(parts) == 1:
+        return parts[0]
+    return Generation(
+        torch.cat([p.tokens for p in parts]),
+        torch.cat([p.logp for p in parts]),
+        torch.cat([p.lengths for p in parts]),
+        torch.cat([p.finished for p in parts]),
+    )

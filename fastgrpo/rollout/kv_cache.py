@@ -1,0 +1,98 @@
+"""The generation engine's KV cache: each prompt once, each sample's completion on its own.
+
+Layout, per layer:
+    prompt_k, prompt_v  (P, Lp, nkv, d)   written once by the prefill, read by all G samples
+    comp_k, comp_v      (B, Tc, nkv, d)   B = P * G rows; row b belongs to prompt b // G
+
+The model never sees the cache: it calls an attention callback `attend(layer, q, k, v)` with this
+step's (or the prefill's) projected, rotated heads. `PrefillAttention` stores the prompt keys and
+runs causal attention per prompt; `DecodeAttention` writes one completion slot per row and attends
+over the prompt and the completion so far. Both keep their tensors fixed, so a decode step can be
+captured in a CUDA graph (the slot is a device tensor, not a Python int).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.kernels.decode_attention import decode_attention
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values that one token holds across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+@dataclass
+class KVCache:
+    prompt_k: list[torch.Tensor]  # per layer (P, Lp, nkv, d)
+    prompt_v: list[torch.Tensor]
+    comp_k: list[torch.Tensor]  # per layer (B, Tc, nkv, d)
+    comp_v: list[torch.Tensor]
+    prompt_lens: torch.Tensor  # (P,) int64
+
+    @classmethod
+    def allocate(
+        cls, config, num_prompts, prompt_capacity, rows, max_new_tokens, dtype, device
+    ) -> KVCache:
+        """Room for `num_prompts` prompts of up to `prompt_capacity` tokens and `rows` samples."""
+        heads = (config.num_kv_heads, config.head_dim)
+        layers = range(config.num_layers)
+        # completion slots: every sampled token but the last is fed back and needs one
+        slots = max(max_new_tokens - 1, 1)
+        new = lambda *shape: torch.zeros(*shape, *heads, dtype=dtype, device=device)  # noqa: E731
+        return cls(
+            [new(num_prompts, prompt_capacity) for _ in layers],
+            [new(num_prompts, prompt_capacity) for _ in layers],
+            [new(rows, slots) for _ in layers],
+            [new(rows, slots) for _ in layers],
+            torch.zeros(num_prompts, dtype=torch.int64, device=device),
+        )
+
+
+class PrefillAttention:
+    """Packed prompts (no padding): store each token's k/v at (prompt, position), then attend
+    causally within each prompt."""
+
+    def __init__(self, cache: KVCache, cu_seqlens: torch.Tensor, attention):
+        """`attention`: the model's packed causal attention for these prompts."""
+        self.cache = cache
+        lengths = cu_seqlens.diff()  # (P,)
+        prompt = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.cpu())
+        start = cu_seqlens[:-1].cpu().repeat_interleave(lengths.cpu())
+        position = torch.arange(int(cu_seqlens[-1])) - start  # (T,) position within its prompt
+        Lp = cache.prompt_k[0].shape[1]
+        self.slots = (prompt * Lp + position).to(cu_seqlens.device)  # (T,) flat (P*Lp) index
+        self.attention = attention
+
+    def __call__(self, layer: int, q, k, v):
+        c = self.cache
+        c.prompt_k[layer].view(-1, *k.shape[1:]).index_copy_(0, self.slots, k)
+        c.prompt_v[layer].view(-1, *v.shape[1:]).index_copy_(0, self.slots, v)
+        return self.attention(layer, q, k, v)
+
+
+class DecodeAttention:
+    """One token per row: write its k/v into completion slot `slot` (a () int64 device tensor,
+    advanced in place between steps), then attend over the prompt and slots 0..slot."""
+
+    def __init__(self, cache: KVCache, slot: torch.Tensor):
+        self.cache, self.slot = cache, slot
+
+    def __call__(self, layer: int, q, k, v):
+        c = self.cache
+        index = self.slot.view(1)
+        c.comp_k[layer].index_copy_(1, index, k.unsqueeze(1))
+        c.comp_v[layer].index_copy_(1, index, v.unsqueeze(1))
+        return decode_attention(
+            q,
+            c.prompt_k[layer],
+            c.prompt_v[layer],
+            c.prompt_lens,
+            c.comp_k[layer],
+            c.comp_v[layer],
+            self.slot,
+        )

@@ -1,0 +1,69 @@
+"""Rollout through the native engine, returned as the same `Rollout` the HF path gives.
+
+One engine is kept per model (its buffers, and later its CUDA graphs, outlive a step) and reads the
+model's own parameters. Per-sample seeds come from torch's default generator, so a seeded run (and
+the evaluation's forked RNG) is reproducible exactly as with HF `generate`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.rollout.types import Rollout
+
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_for(model, stop_ids: list[int], pad_id: int) -> RolloutEngine:
+    """The model's engine, made on first use (and again if the stop ids or pad id change)."""
+    key = (tuple(sorted(set(stop_ids))), pad_id)
+    made = _ENGINES.get(model)
+    if made is None or made[0] != key:
+        made = key, RolloutEngine(model, stop_ids=stop_ids, pad_id=pad_id)
+        _ENGINES[model] = made
+    return made[1]
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (B, max length), rows aligned to the right."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def native_rollout(
+    model,
+    tokenizer,
+    prompts: list[str],  # already chat-templated text
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    with_sampling_logp: bool = False,
+) -> Rollout:
+    """G completions per prompt, rows grouped by prompt; temperature 0 means greedy decoding."""
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    engine = engine_for(model, stop_ids, tokenizer.pad_token_id)
+    seed = int(torch.randint(0, 2**31 - 1, ()))  # from the default generator: seeded runs repeat
+    params = SamplingParams(temperature, top_k, top_p)
+    out = engine.generate(
+        ids, num_samples=num_generations, max_new_tokens=max_new_tokens, params=params, seed=seed
+    )
+    width = max(int(out.lengths.max()), 1)
+    mask = (torch.arange(width, device=out.lengths.device) < out.lengths[:, None]).float()
+    repeated = [row for row in ids for _ in range(num_generations)]
+    prompt_ids, prompt_mask = left_pad(repeated, tokenizer.pad_token_id, engine.device)
+    logp = out.logp[:, :width] if with_sampling_logp else None
+    return Rollout(prompt_ids, prompt_mask, out.tokens[:, :width], mask, out.finished, logp)

@@ -1,0 +1,250 @@
+"""The native rollout engine against Hugging Face generate and against the trainer's log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from fastgrpo.kernels.decode_attention import decode_attention_ref
+from fastgrpo.models.loading import cache_dir
+from fastgrpo.models.transformer import ModelConfig, Transformer
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+
+VOCAB = 97
+NEVER = VOCAB - 1  # a stop id the tests force or avoid
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+}
+
+
+def tiny_pair(family="llama", seed=0):
+    """(HF model, our model with the same weights), fp32, 2 layers, GQA (4 query / 2 kv heads)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    hf_config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    hf = model_cls(hf_config).eval()
+    ours = Transformer(ModelConfig.from_hf(hf_config)).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return hf, ours
+
+
+def hf_greedy(hf, prompt, max_new_tokens, stop_ids):
+    out = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stop_ids,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def trainer_logp(model, prompts, generation, num_samples, temperature):
+    """Log-probs of the sampled tokens from one packed training forward (prompt + completion)."""
+    rows, lengths = [], generation.lengths.tolist()
+    for b, length in enumerate(lengths):
+        rows.append(prompts[b // num_samples] + generation.tokens[b, :length].tolist())
+    flat = torch.tensor([t for r in rows for t in r])
+    sizes = [len(r) for r in rows]
+    cu = torch.tensor([0, *sizes]).cumsum(0)
+    positions = torch.cat([torch.arange(n) for n in sizes])
+    with torch.no_grad():
+        hidden = model(flat, positions, model.packed_attention(cu, max(sizes)))  # (T, H)
+        logits = model.logits(hidden).double() / temperature  # (T, V)
+    out = torch.zeros_like(generation.logp, dtype=torch.float64)
+    for b, length in enumerate(lengths):
+        start = int(cu[b]) + len(prompts[b // num_samples]) - 1  # predicts completion token 0
+        logp = logits[start : start + length].log_softmax(-1)
+        out[b, :length] = logp.gather(-1, generation.tokens[b, :length, None]).squeeze(-1)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_match_hf_generate_for_every_prompt_and_sample(family):
+    hf, ours = tiny_pair(family)
+    engine = RolloutEngine(ours, stop_ids=[NEVER, 3], pad_id=0)
+    out = engine.generate(PROMPTS, num_samples=2, max_new_tokens=20, params=GREEDY)
+    for b in range(out.tokens.shape[0]):
+        expected = hf_greedy(hf, PROMPTS[b // 2], 20, [NEVER, 3])
+        length = int(out.lengths[b])
+        assert out.tokens[b, :length].tolist() == expected
+        assert bool(out.finished[b]) == (expected[-1] in (NEVER, 3))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_k=5, top_p=0.9)])
+def test_sampled_logprobs_match_the_trainers_packed_forward(params):
+    _, ours = tiny_pair("qwen2", seed=1)
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    out = engine.generate(PROMPTS, num_samples=4, max_new_tokens=16, params=params, seed=3)
+    expected = trainer_logp(ours, PROMPTS, out, 4, params.temperature)
+    mask = torch.arange(16) < out.lengths[:, None]
+    error = (out.logp.double() - expected)[mask].abs().max().item()
+    assert error <= 1e-4, error
+    assert (out.logp[~mask] == 0).all()
+
+
+def test_same_seeds_give_the_same_samples_however_rows_are_split_into_waves():
+    _, ours = tiny_pair("llama", seed=2)
+    params = SamplingParams(1.0)
+    whole = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    row_bytes = engine._row_bytes(max(map(len, PROMPTS)), 12)
+    for rows_per_wave in (3, 4, 9):  # sub-groups of one prompt; one group; several groups
+        engine.memory_bytes = row_bytes * rows_per_wave
+        split = engine.generate(PROMPTS, num_samples=4, max_new_tokens=12, params=params, seed=5)
+        ref = whole.generate(PROMPTS, num_samples=4, max_new_tokens=12, params=params, seed=5)
+        assert torch.equal(split.tokens, ref.tokens), rows_per_wave
+        torch.testing.assert_close(split.logp, ref.logp, rtol=0, atol=1e-5)
+
+
+def test_a_prompt_prefilled_once_for_its_samples_gives_what_separate_prefills_give():
+    _, ours = tiny_pair("qwen3", seed=3)
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    params = SamplingParams(1.0)
+    shared = engine.generate(PROMPTS, num_samples=3, max_new_tokens=10, params=params, seed=7)
+    separate = engine.generate(
+        [p for p in PROMPTS for _ in range(3)],
+        num_samples=1,
+        max_new_tokens=10,
+        params=params,
+        seeds=torch.arange(9) + (7 << 32),
+    )
+    assert torch.equal(shared.tokens, separate.tokens)
+    torch.testing.assert_close(shared.logp, separate.logp, rtol=0, atol=1e-5)
+
+
+def test_rows_end_at_the_first_of_several_stop_tokens_and_are_padded_after():
+    _, ours = tiny_pair("llama", seed=4)
+    params = SamplingParams(1.0)
+    free = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    run = free.generate(PROMPTS, num_samples=2, max_new_tokens=12, params=params, seed=1)
+    stops = [int(run.tokens[0, 2]), int(run.tokens[3, 6])]
+    engine = RolloutEngine(ours, stop_ids=stops, pad_id=0)
+    out = engine.generate(PROMPTS, num_samples=2, max_new_tokens=12, params=params, seed=1)
+    for b in range(6):
+        row = run.tokens[b].tolist()
+        hits = [i for i, t in enumerate(row) if t in stops]
+        length = hits[0] + 1 if hits else 12
+        assert int(out.lengths[b]) == length
+        assert bool(out.finished[b]) == bool(hits)
+        assert out.tokens[b, :length].tolist() == row[:length]
+        assert (out.tokens[b, length:] == 0).all()
+    assert out.finished[0] and int(out.lengths[0]) <= 3
+
+
+def test_the_engine_samples_from_the_models_current_weights_with_no_copy():
+    _, ours = tiny_pair("llama", seed=5)
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=1)
+    before = engine.generate(PROMPTS, num_samples=1, max_new_tokens=6, params=GREEDY)
+    assert not (before.tokens == 0).all()
+    with torch.no_grad():  # what an optimizer step does: change the parameters in place
+        ours.lm_head.weight.zero_()
+    after = engine.generate(PROMPTS, num_samples=1, max_new_tokens=6, params=GREEDY)
+    assert (after.tokens == 0).all()  # all logits tie: greedy takes the lowest id
+
+
+def test_decode_attention_matches_attention_over_the_whole_sequence():
+    torch.manual_seed(0)
+    P, G, Lp, Tc, nkv, rep, d = 3, 2, 7, 5, 2, 3, 8
+    lens = torch.tensor([7, 2, 5])
+    pk, pv = torch.randn(2, P, Lp, nkv, d, dtype=torch.float64)
+    ck, cv = torch.randn(2, P * G, Tc, nkv, d, dtype=torch.float64)
+    q = torch.randn(P * G, nkv * rep, d, dtype=torch.float64)
+    step = torch.tensor(3)
+    out = decode_attention_ref(q, pk, pv, lens, ck, cv, step)
+    for b in range(P * G):
+        p = b // G
+        keys = torch.cat([pk[p, : lens[p]], ck[b, : step + 1]])  # (L, nkv, d)
+        values = torch.cat([pv[p, : lens[p]], cv[b, : step + 1]])
+        keys, values = (x.repeat_interleave(rep, 1).transpose(0, 1) for x in (keys, values))
+        probs = (q[b, :, None] @ keys.transpose(1, 2) / d**0.5).softmax(-1)  # (nh, 1, L)
+        torch.testing.assert_close(out[b], (probs @ values).squeeze(1))
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [([], "no prompts"), ([[1, 2], []], "empty prompt"), ([[1] * 250], "max_position")],
+)
+def test_bad_requests_get_a_clear_error(prompts, message):
+    _, ours = tiny_pair("llama")
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, num_samples=2, max_new_tokens=8, params=GREEDY)
+
+
+SMOLLM2 = cache_dir() / "models" / "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="default model not cached")
+def test_greedy_decoding_of_smollm2_matches_hf_for_64_tokens():
+    from fastgrpo.models.transformer import load_native_model
+
+    hf = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    ours = load_native_model(str(SMOLLM2), dtype=torch.float32, device="cpu").eval()
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    messages = [{"role": "user", "content": "What is 17 + 25? Explain step by step."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    out = engine.generate([prompt], num_samples=1, max_new_tokens=64, params=GREEDY)
+    expected = hf_greedy(hf, prompt, 64, [NEVER])
+    assert out.tokens[0].tolist() == expected
+
+
+def test_reused_wave_buffers_give_what_fresh_ones_give():
+    _, ours = tiny_pair("qwen2", seed=6)
+    params = SamplingParams(1.0)
+    kept = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    kept.generate(PROMPTS, num_samples=2, max_new_tokens=9, params=params, seed=1)
+    shorter = [[30, 31], [32], [33, 34, 35, 36]]  # same wave shape, stale keys past each prompt
+    again = kept.generate(shorter, num_samples=2, max_new_tokens=9, params=params, seed=2)
+    assert len(kept._kept) == 1
+    fresh = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    expected = fresh.generate(shorter, num_samples=2, max_new_tokens=9, params=params, seed=2)
+    assert torch.equal(again.tokens, expected.tokens)
+    torch.testing.assert_close(again.logp, expected.logp, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_gives_what_eager_decode_gives():
+    _, ours = tiny_pair("qwen3", seed=7)
+    ours = ours.cuda().to(torch.bfloat16)
+    params = SamplingParams(1.0, top_k=20)
+    outs = []
+    for graphs in (False, True):
+        engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, cuda_graphs=graphs)
+        for seed in (1, 2):  # the second call replays the graph captured by the first
+            outs.append(
+                engine.generate(PROMPTS, num_samples=4, max_new_tokens=24, params=params, seed=seed)
+            )
+    for eager, graph in zip(outs[:2], outs[2:]):
+        assert torch.equal(eager.tokens, graph.tokens)
+        assert torch.equal(eager.logp, graph.logp)
+    assert not torch.equal(outs[0].tokens, outs[1].tokens)
