@@ -31,6 +31,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     revision: str | None = None
     trust_remote_code: bool = False
+    backend: str = "auto"  # auto (native for the Llama family, else transformers) | native | hf
 
 
 @dataclass
@@ -292,6 +293,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.backend": ("auto", "native", "hf"),
     "task.name": ("arithmetic", "gsm8k", "jsonl", "parquet", "hf"),
     "algo.loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo"),
     "algo.kl_estimator": ("k1", "k2", "k3"),

@@ -1,9 +1,10 @@
 """Models: the native Llama-family transformer and its loading; HF loading for everything else.
 
 `transformer` holds the native decoder (Llama 2/3, Qwen2/2.5/3, Mistral, SmolLM2) that the trainer
-and rollout engine share, and `load_native_model`; `attention` the packed-sequence attention
-callback; `loading` resolves names (built-ins, hub ids, local directories, GGUF) and loads
-Hugging Face models, the path for architectures `is_supported` says no to.
+and rollout engine share; `native_io` reads and writes it as safetensors; `attention` holds the
+packed-sequence attention callback; `loading` resolves names (built-ins, hub ids, local
+directories, GGUF) and loads Hugging Face models, the path for architectures `is_supported`
+says no to.
 """
 
 from fastgrpo.models.attention import PackedCausalAttention, causal_attention_ref
@@ -15,12 +16,12 @@ from fastgrpo.models.loading import (
     resolve_model,
     stop_token_ids,
 )
+from fastgrpo.models.native_io import load_native_model, save_native_model
 from fastgrpo.models.transformer import (
     ModelConfig,
     Transformer,
     UnsupportedModelError,
     is_supported,
-    load_native_model,
 )
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "resolve_model",
+    "save_native_model",
     "stop_token_ids",
 ]

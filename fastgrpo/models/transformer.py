@@ -1,11 +1,9 @@
-"""The native decoder for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM2), and
-its loading from Hugging Face safetensors checkpoints.
+"""The native decoder for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM2).
 
 What: one implementation with per-family flags (q/k/v bias, o_proj bias, q/k RMSNorm, llama3 RoPE
 scaling, sliding windows), whose parameter names are exactly the Hugging Face ones, so an HF
-safetensors state dict loads with `load_state_dict(strict=True)` and ours saves as an HF checkpoint.
-`load_native_model(name)` takes anything `resolve_model` takes (GGUF arrives as a converted
-safetensors directory) and reads the safetensors straight onto the device: no HF model is built.
+safetensors state dict loads with `load_state_dict(strict=True)` and ours saves as an HF checkpoint
+(loading and saving: `native_io.py`).
 
 Why: the trainer and the rollout engine share these very parameter tensors (weight "sync" is free)
 and the same numerics, so rollout log-probs match trainer log-probs. The model knows nothing of
@@ -20,7 +18,6 @@ RMSNorm in fp32 then cast back, RoPE tables in fp32 cast to the activation dtype
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +29,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.models.attention import PackedCausalAttention
-from fastgrpo.models.loading import (
-    ModelNotFoundError,
-    resolve_device,
-    resolve_dtype,
-    resolve_model,
-)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -361,6 +352,14 @@ class Transformer(nn.Module):
         self.rotary = RotaryTable(rope_inv_freq(config))
         self.activation_checkpointing = False
         self.register_load_state_dict_pre_hook(_drop_derived_keys)
+        # set by `load_native_model`: where the weights came from (its config.json and
+        # generation_config.json are copied into checkpoints) and the generation EOS ids
+        self.source_dir: Path | None = None
+        self.eos_token_ids: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head_weight.device
 
     @property
     def lm_head_weight(self) -> nn.Parameter:
@@ -413,92 +412,3 @@ def _drop_derived_keys(module, state_dict, prefix, *args) -> None:
 
 
 DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-# ----------------------------------------------------------------------------- loading
-
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
-
-
-def load_native_model(
-    name: str,
-    dtype: torch.dtype | str = "auto",
-    device: torch.device | str = "auto",
-    revision: str | None = None,
-) -> Transformer:
-    """The native transformer for `name` (anything `resolve_model` accepts), weights loaded.
-
-    The model is built on the meta device and the safetensors tensors, read onto `device` and
-    cast to `dtype`, become its parameters (`assign=True`): no second copy, no HF model object.
-    """
-    directory = native_model_dir(name, revision)
-    config = read_model_config(directory)  # unsupported architectures stop here
-    torch_device = resolve_device(device) if isinstance(device, str) else torch.device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device) if isinstance(dtype, str) else dtype
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.load_state_dict(
-        read_state_dict(directory, torch_dtype, torch_device), strict=True, assign=True
-    )
-    return model
-
-
-def native_model_dir(name: str, revision: str | None = None) -> Path:
-    """A local HF directory for `name`; a hub id is downloaded, its config.json checked first."""
-    source = resolve_model(name, revision)
-    if Path(source.path).is_dir():
-        return Path(source.path)
-    from huggingface_hub import hf_hub_download, snapshot_download
-
-    try:
-        config_file = hf_hub_download(source.path, "config.json", revision=revision)
-        read_model_config(Path(config_file).parent)  # fail before downloading any weights
-        return Path(snapshot_download(source.path, revision=revision, allow_patterns=HUB_PATTERNS))
-    except OSError as error:  # network, unknown and gated repositories all raise OSErrors
-        raise ModelNotFoundError(f"could not download {source.description}: {error}") from error
-
-
-def read_model_config(directory: str | Path) -> ModelConfig:
-    """The directory's config.json as a ModelConfig; UnsupportedModelError for other models."""
-    config_file = Path(directory) / "config.json"
-    if not config_file.is_file():
-        raise ModelNotFoundError(f"{directory} has no config.json")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
-
-
-def weight_files(directory: str | Path) -> list[Path]:
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / shard for shard in shards]
-    if (directory / "model.safetensors").is_file():
-        return [directory / "model.safetensors"]
-    raise ModelNotFoundError(
-        f"{directory} has neither model.safetensors nor model.safetensors.index.json; the native "
-        f"transformer reads safetensors only (re-save the model with `save_pretrained`)."
-    )
-
-
-def read_state_dict(directory, dtype: torch.dtype, device: torch.device) -> dict:
-    """Every tensor of the checkpoint on `device`, the floating-point ones cast to `dtype`."""
-    from safetensors import safe_open
-
-    state = {}
-    for file in weight_files(directory):
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for key in shard.keys():
-                tensor = shard.get_tensor(key)
-                state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    return state
-
-
-def save_safetensors(model: Transformer, directory: str | Path) -> Path:
-    """The parameters as an HF `model.safetensors` in `directory` (config.json is the caller's)."""
-    from safetensors.torch import save_file
-
-    path = Path(directory) / "model.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
-    save_file(state, str(path), metadata={"format": "pt"})
-    return path

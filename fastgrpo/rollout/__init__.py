@@ -1,6 +1,6 @@
-"""Generation engines producing `Rollout`s: HF generate today, the native engine later."""
+"""Generation engines producing `Rollout`s: the native engine, and HF generate as the fallback."""
 
-from fastgrpo.rollout.hf_generate import generate_rollout
+from fastgrpo.rollout.generate import generate_rollout
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
 from fastgrpo.rollout.types import Rollout, completion_mask
 

@@ -17,6 +17,7 @@ counter-based sampler makes the result the same however the rows are split.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ import torch
 from fastgrpo.rollout.decode import WaveBuffers
 from fastgrpo.rollout.kv_cache import kv_bytes_per_token
 from fastgrpo.rollout.sampling import SamplingParams
+
+log = logging.getLogger("fastgrpo.rollout")
 
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
@@ -67,6 +70,7 @@ class RolloutEngine:
         self.check_every = check_every
         self.cuda_graphs = cuda_graphs
         self._kept: dict[tuple, WaveBuffers] = {}
+        self._warned_length = False
 
     # ------------------------------------------------------------------ public
 
@@ -118,10 +122,13 @@ class RolloutEngine:
                 f"window ({min(windows)}), which the engine's decode attention does not apply; "
                 "shorten prompts or max_new_tokens"
             )
-        if limit and longest > limit:
-            raise ValueError(
-                f"prompt + completion reaches {longest} tokens, past the model's "
-                f"max_position_embeddings ({limit}); shorten prompts or max_new_tokens"
+        if limit and longest > limit and not self._warned_length:
+            self._warned_length = True  # as transformers does: run, but say so once
+            log.warning(
+                "prompt + completion reaches %d tokens, past the model's max_position_embeddings "
+                "(%d); quality may suffer: shorten prompts or max_new_tokens",
+                longest,
+                limit,
             )
 
     def _budget(self) -> int:

@@ -12,7 +12,7 @@ from fastgrpo.rollout.types import Rollout, completion_mask
 
 
 @torch.no_grad()
-def generate_rollout(
+def hf_rollout(
     model,
     tokenizer,
     prompts: list[str],  # already chat-templated text

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import yaml
 
+from fastgrpo.models import Transformer, save_native_model
+
 STATE_FILE = "trainer_state.pt"
 
 
@@ -69,7 +71,10 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     partial = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.", dir=root))
     partial.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
-    model.save_pretrained(partial / "model")
+    if isinstance(model, Transformer):
+        save_native_model(model, partial / "model")
+    else:
+        model.save_pretrained(partial / "model")
     tokenizer.save_pretrained(partial / "model")
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, partial / STATE_FILE)
     (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,7 +1,9 @@
 """Per-token log-probs of completion tokens under a causal LM, without full-sequence logits.
 
 The backbone runs on prompt + completion; only the hidden states that predict completion tokens
-(and only unmasked ones, packed) go through the LM head, via `kernels.lm_head_logprob`.
+(and only unmasked ones, packed) go through the LM head, via `kernels.lm_head_logprob`. The native
+transformer runs on packed rows (each row's real prompt tokens and its kept completion tokens, no
+padding); a transformers model runs on the padded batch.
 """
 
 from __future__ import annotations
@@ -9,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob
+from fastgrpo.models.attention import packed_positions
+from fastgrpo.models.transformer import Transformer
 from fastgrpo.rollout.types import Rollout
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """(V, H) LM-head weight of a native or a transformers model."""
+    if isinstance(model, Transformer):
+        return model.lm_head_weight
+    return model.get_output_embeddings().weight
 
 
 def backbone_of(model):
@@ -50,6 +61,33 @@ def completion_hidden(model, rollout: Rollout) -> torch.Tensor:
     return hidden[:, prompt_len - 1 : -1]
 
 
+def kept_hidden(model, rollout: Rollout) -> torch.Tensor:
+    """(n, H) final hidden states that predict the kept completion tokens (mask order: row by row).
+
+    The completion mask of each row must be a prefix (its tokens up to the stop), or all zero.
+    """
+    if not isinstance(model, Transformer):
+        return completion_hidden(model, rollout)[rollout.completion_mask.bool()]
+    Tp = rollout.prompt_ids.shape[1]
+    kept = rollout.completion_mask.sum(-1).long()  # (B,)
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (B, Tp+Tc)
+    column = torch.arange(ids.shape[1], device=ids.device)  # (Tp+Tc,)
+    # fed: the real prompt tokens and the kept completion tokens but the last (it predicts nothing)
+    fed = torch.cat([rollout.prompt_mask.bool(), column[Tp:] < (Tp + kept - 1)[:, None]], 1)
+    fed &= (kept > 0)[:, None]  # rows with nothing kept are not run at all
+    # scored: the positions whose hidden state predicts a kept token
+    scored = (column >= Tp - 1) & (column <= (Tp + kept - 2)[:, None])  # (B, Tp+Tc)
+    lengths = fed.sum(-1)
+    lengths = lengths[lengths > 0]
+    if lengths.numel() == 0:
+        return ids.new_zeros(0, model.config.hidden_size, dtype=model.lm_head_weight.dtype)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (rows + 1,)
+    longest = int(lengths.max())
+    attend = model.packed_attention(cu, longest)
+    hidden = model(ids[fed], packed_positions(cu), attend, position_bound=longest)  # (T, H)
+    return hidden[scored[fed]]
+
+
 def unpack(keep: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """(n,) values of the kept positions -> (B, Tc) fp32 with zeros elsewhere."""
     return packed.new_zeros(keep.shape, dtype=torch.float32).masked_scatter(keep, packed.float())
@@ -67,10 +105,14 @@ def completion_logprobs(
 
     `fused`: score with the Triton kernel (None: on CUDA when no gradient is needed).
     """
-    hidden = completion_hidden(model, rollout)  # (B, Tc, H)
+    hidden = kept_hidden(model, rollout)  # (n, H)
     keep = rollout.completion_mask.bool()  # (B, Tc)
-    weight = model.get_output_embeddings().weight  # (V, H)
     packed_logp, packed_entropy = lm_head_logprob(
-        hidden[keep], weight, rollout.completion_ids[keep], temperature, with_entropy, fused=fused
+        hidden,
+        lm_head_weight(model),
+        rollout.completion_ids[keep],
+        temperature,
+        with_entropy,
+        fused=fused,
     )  # (n,)
     return unpack(keep, packed_logp), unpack(keep, packed_entropy) if with_entropy else None

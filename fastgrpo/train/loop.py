@@ -19,7 +19,7 @@ import yaml
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError, config_from_dict, validate
 from fastgrpo.data import DatasetError, PromptSampler, TaskData, build_task, render_prompt
-from fastgrpo.models import load_model, stop_token_ids
+from fastgrpo.models import Transformer, load_model, stop_token_ids
 from fastgrpo.rewards import RewardSet, math_accuracy
 from fastgrpo.rollout import generate_rollout
 from fastgrpo.train.checkpoint import (
@@ -106,6 +106,7 @@ def load_configured_model(config: Config, name: str | None = None):
         device=m.device,
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
+        backend=m.backend,
     )
 
 
@@ -156,9 +157,13 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         use_fused_lm_head(config, model)  # fail here, before any rollout, if it cannot run
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    if config.model.gradient_checkpointing:
+    native = isinstance(model, Transformer)
+    if config.model.gradient_checkpointing and native:
+        model.activation_checkpointing = True
+    elif config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    model.config.use_cache = True
+    if not native:
+        model.config.use_cache = True
     ref_model = None
     if config.algo.beta != 0:
         ref_model, _, _ = load_configured_model(config)

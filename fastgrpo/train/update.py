@@ -24,7 +24,13 @@ from fastgrpo.kernels.lm_head_grpo_loss import (
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 from fastgrpo.rollout import Rollout
 from fastgrpo.train.batching import plan_micro_batches
-from fastgrpo.train.logprobs import completion_hidden, completion_logprobs, trim_padding, unpack
+from fastgrpo.train.logprobs import (
+    completion_logprobs,
+    kept_hidden,
+    lm_head_weight,
+    trim_padding,
+    unpack,
+)
 
 PER_TOKEN_SETTINGS = (
     "loss_type",
@@ -114,8 +120,8 @@ def fused_micro_batch_loss(
     """
     mask = mb.rollout.completion_mask
     keep = mask.bool()  # (b, Tc)
-    hidden = completion_hidden(model, mb.rollout)  # (b, Tc, H)
-    weight = model.get_output_embeddings().weight  # (V, H)
+    hidden = kept_hidden(model, mb.rollout)  # (n, H)
+    weight = lm_head_weight(model)  # (V, H)
     a = config.algo
     if a.loss_type in TOKEN_LEVEL_LOSSES and a.importance_sampling_level == "token":  # one pass
         weights = token_weights(
@@ -129,7 +135,7 @@ def fused_micro_batch_loss(
         pick = lambda x: None if x is None else x[keep]  # noqa: E731
         token_settings = {k: v for k, v in settings.items() if k in PER_TOKEN_SETTINGS}
         loss, logp, entropy = lm_head_grpo_loss(
-            hidden[keep],
+            hidden,
             weight,
             mb.rollout.completion_ids[keep],
             weights[keep],
@@ -150,7 +156,7 @@ def fused_micro_batch_loss(
             )[0]
 
         loss, logp, entropy = lm_head_policy_loss(
-            hidden[keep],
+            hidden,
             weight,
             mb.rollout.completion_ids[keep],
             whole_loss,

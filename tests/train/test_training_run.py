@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,10 +369,16 @@ def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model
         assert fused["reward/mean"] == pytest.approx(ref["reward/mean"], abs=1e-6)  # same samples
         for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
             assert fused[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+    # Compare what training changed, tensor by tensor. AdamW normalises each element's step, so an
+    # element whose gradient is ~0 can move by up to the learning rate on rounding noise alone:
+    # an element-wise tolerance would test that noise, a norm over the tensor does not.
+    start = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     final_ref = weights(latest_checkpoint(tmp_path / "off"))
     final_fused = weights(latest_checkpoint(tmp_path / "on"))
     for name, value in final_ref.items():
-        assert torch.allclose(final_fused[name], value, atol=1e-5), name
+        step_ref, step_fused = value - start[name], final_fused[name] - start[name]
+        error = (step_fused - step_ref).norm() / step_ref.norm().clamp(min=1e-12)
+        assert error < 1e-3, (name, error)
 
 
 @CPU_INTERPRETER_ONLY
