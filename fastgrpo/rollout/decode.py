@@ -115,7 +115,11 @@ class WaveBuffers:
         cu = cu.to(device)
         attend = PrefillAttention(self.cache, cu, model.packed_attention(cu, int(lens.max())))
         hidden = model(
-            flat.to(device), positions.to(device), attend, position_bound=self.position_bound
+            flat.to(device),
+            positions.to(device),
+            attend,
+            position_bound=self.position_bound,
+            fused_ops=True,
         )  # (T, H)
         logits = model.logits(hidden[(cu[1:] - 1).long()])  # (P, V)
         logits = logits.repeat_interleave(self.group, 0)  # (B, V)
@@ -133,7 +137,9 @@ class WaveBuffers:
     def _step(self) -> None:
         s, model = self.state, self.model
         positions = self.base_positions + s.slot  # (B,)
-        hidden = model(s.last_token, positions, self.attend, position_bound=self.position_bound)
+        hidden = model(
+            s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
+        )
         s.slot += 1
         s.step += 1
         logits = model.logits(hidden)  # (B, V)
