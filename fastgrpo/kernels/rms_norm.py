@@ -15,7 +15,8 @@ once and writes both outputs.
 Numerics: every rounding of the PyTorch code is repeated (the add in fp32 rounded to x's dtype,
 the normalized row rounded to x's dtype before the weight multiply, the product of two 16-bit
 values exact in fp32 and rounded once). The only freedom is the order of the fp32 sum of squares,
-which may move the mean by an fp32 ulp and, rarely, a result by one ulp of bf16. The mean is that
+which may move the mean by an fp32 ulp and, rarely, the normalised row by one ulp of bf16 (two
+after the weight multiply rounds again; measured on the H100). The mean is that
 sum times fp32(1 / n), as torch's CUDA mean computes it; rsqrt is libdevice's `__nv_rsqrtf`, the
 `rsqrtf` torch calls (numpy's 1 / sqrt in the interpreter).
 

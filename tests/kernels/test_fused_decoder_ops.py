@@ -289,15 +289,18 @@ REAL_T = [64, 3000]
 @pytest.mark.parametrize("with_residual", [True, False], ids=["add", "no-add"])
 @pytest.mark.parametrize("H", [64, 896, 3584, 8192])
 @pytest.mark.parametrize("T", REAL_T)
-def test_bf16_add_rms_norm_at_real_shapes_is_within_one_ulp_of_torch(T, H, with_residual):
+def test_bf16_add_rms_norm_at_real_shapes_is_within_two_ulps_of_torch(T, H, with_residual):
     x = _randn(T, H, dtype=torch.bfloat16, seed=T + H)
     residual = _randn(T, H, dtype=torch.bfloat16, seed=T, scale=8.0) if with_residual else None
     weight = _randn(H, dtype=torch.bfloat16, seed=H, scale=0.2) + 1
     normed, new_residual = rms_norm.add_rms_norm_triton(x, residual, weight, 1e-6)
     want_normed, want_residual = rms_norm.add_rms_norm_ref(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, want_residual)
-    assert _ulps(normed, want_normed).max() <= 1
-    assert (normed == want_normed).float().mean() >= 0.99  # only the order of the sum differs
+    # Only the order of the fp32 sum of squares differs, so the normalised value rounds to bf16 at
+    # most 1 ulp apart; the multiply by the weight rounds again, which can make that 2 ulps (seen
+    # on the H100 at 3000 x 896 and 3000 x 3584: a few elements at 2, none above).
+    assert _ulps(normed, want_normed).max() <= 2
+    assert (normed == want_normed).float().mean() >= 0.99
     assert os.environ.get("TRITON_INTERPRET") != "1"
 
 
