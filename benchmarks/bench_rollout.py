@@ -6,6 +6,7 @@ forced to its full length (the only stop id is one the model cannot sample):
   B. the same shape, 256 sequences, prompt 256, 1024 new tokens: tokens/s;
   C. Qwen2.5-7B shape, 64 sequences, prompt 256, 512 new tokens: ms per step against the floor;
   D. a whole GRPO rollout incl. prefill: 8 prompts x 8 samples x 256 tokens, 0.5B shape: seconds.
+Also: the engine's sampled-token log-probs against the trainer's for the same tokens (bf16).
 ms per decode step = (time for N new tokens - time for 1 new token) / (N - 1), so the prefill is
 left out. The floor is the bytes one step must read (weights + the average KV cache) over the
 copy bandwidth measured in the same run. Prints a table, then one JSON line.
@@ -191,6 +192,37 @@ def whole_rollout(with_hf):
     return out
 
 
+def logp_agreement():
+    """Sampled-token log-probs of the engine against the trainer's packed forward and fused
+    scoring kernel on the same tokens (0.5B shape, bf16, 8 prompts x 8 samples x 128 tokens)."""
+    from fastgrpo.rollout.native_generate import left_pad
+    from fastgrpo.rollout.types import Rollout
+    from fastgrpo.train.logprobs import completion_logprobs
+
+    model = native_model("0.5B")
+    prompts = prompts_of(8, 128, model.config.vocab_size)
+    engine = RolloutEngine(model, stop_ids=[model.config.vocab_size], pad_id=0)
+    out = engine.generate(prompts, num_samples=8, max_new_tokens=128, params=PARAMS, seed=3)
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(8)], 0, "cuda")
+    mask = torch.ones_like(out.logp)
+    rollout = Rollout(prompt_ids, prompt_mask, out.tokens, mask, out.finished)
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout, temperature=1.0)  # (B, T)
+    diff = (out.logp - trainer).abs()
+    row = {
+        "workload": "logp agreement",
+        "shape": "0.5B",
+        "method": "engine vs trainer (bf16)",
+        "mean_abs_diff": diff.mean().item(),
+        "max_abs_diff": diff.max().item(),
+        "mean_logp": trainer.mean().item(),
+    }
+    print(
+        f"logp agreement (bf16): mean |diff| {row['mean_abs_diff']:.2e}, max {row['max_abs_diff']:.2e}"
+    )
+    return [row]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="workload A only")
@@ -199,7 +231,8 @@ def main():
     with_hf = not args.no_hf
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    results = decode_rows("0.5B", 64, 128, 256, bandwidth, "A", peers=True, with_hf=with_hf)
+    results = logp_agreement()
+    results += decode_rows("0.5B", 64, 128, 256, bandwidth, "A", peers=True, with_hf=with_hf)
     if not args.quick:
         for workload in (
             lambda: decode_rows("0.5B", 256, 256, 1024, bandwidth, "B"),
