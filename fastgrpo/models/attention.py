@@ -39,6 +39,8 @@ def _probe_varlen():
 
 
 VARLEN = _probe_varlen()
+# sequences are padded into one attention call when that at most doubles the tokens attended
+PADDED_BATCH_LIMIT = 2
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
@@ -70,7 +72,8 @@ class PackedCausalAttention:
     """attend() for packed rows: causal within each sequence, never across; GQA; no padding.
 
     On CUDA in fp16/bf16 one `torch.nn.attention.varlen.varlen_attn` call (flash) covers every
-    sequence; otherwise (CPU, fp32) a loop of `scaled_dot_product_attention` per sequence.
+    sequence; otherwise (CPU, fp32) one masked `scaled_dot_product_attention` over the sequences
+    padded to the longest, or, when that would more than double the work, one call per sequence.
     `layer_windows[i]` is layer i's sliding window or None (`ModelConfig.layer_windows`).
     """
 
@@ -87,6 +90,7 @@ class PackedCausalAttention:
         self.layer_windows = layer_windows
         self.use_varlen = use_varlen
         self._bounds: list[int] | None = None
+        self._padding: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], device=None, layer_windows=None):
@@ -99,6 +103,9 @@ class PackedCausalAttention:
             window = None  # every key is inside the window anyway
         if self._varlen_applies(q, window):
             return self._varlen(q, k, v, window)
+        N, T = self.cu_seqlens.numel() - 1, q.shape[0]
+        if N > 1 and N * self.max_seqlen <= PADDED_BATCH_LIMIT * T:
+            return self._sdpa_padded(q, k, v, window)
         return self._sdpa_loop(q, k, v, window)
 
     def _varlen_applies(self, q, window) -> bool:
@@ -129,6 +136,36 @@ class PackedCausalAttention:
             kwargs["is_causal"] = True
         cu, n = self.cu_seqlens, self.max_seqlen
         return varlen_attn(q, k, v, cu, cu, n, n, **kwargs)  # (T, Hq, D)
+
+    def _sdpa_padded(self, q, k, v, window) -> torch.Tensor:
+        """One `scaled_dot_product_attention` over the sequences padded to the longest, with a
+        mask for causality, padding and the window. On a CPU this beats a call per sequence
+        (SmolLM2 forward + backward over the quick start's 32 rows of ~60 tokens, 2 cores:
+        10.3 -> 8.9 s); padded queries see their sequence's keys, so no row is empty."""
+        N, L = self.cu_seqlens.numel() - 1, self.max_seqlen
+        if self._padding is None:
+            lengths = self.cu_seqlens.diff().long()  # (N,)
+            sequence = torch.repeat_interleave(torch.arange(N, device=q.device), lengths)  # (T,)
+            slots = sequence * L + packed_positions(self.cu_seqlens).long()  # (T,) in (N*L)
+            i = torch.arange(L, device=q.device)
+            visible = (i[None, :] <= i[:, None]) & (i[None, :] < lengths[:, None, None])
+            self._padding = slots, visible  # visible: (N, L, L), query x key
+        slots, visible = self._padding
+        if window is not None:
+            i = torch.arange(L, device=q.device)
+            visible = visible & (i[:, None] - i[None, :] < window)
+
+        def padded(x):  # (T, heads, D) -> (N, heads, L, D), zeros past each sequence
+            full = x.new_zeros(N * L, *x.shape[1:]).index_copy(0, slots, x)
+            return full.view(N, L, *x.shape[1:]).transpose(1, 2)
+
+        groups = q.shape[1] // k.shape[1]
+        qp, kp, vp = padded(q), padded(k), padded(v)
+        if groups > 1 and not _SDPA_HAS_GQA:
+            kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": True} if groups > 1 and _SDPA_HAS_GQA else {}
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=visible[:, None], **extra)
+        return o.transpose(1, 2).reshape(N * L, *q.shape[1:])[slots]  # (T, Hq, D)
 
     def _sdpa_loop(self, q, k, v, window) -> torch.Tensor:
         if self._bounds is None:

@@ -195,21 +195,25 @@ def test_activation_checkpointing_gives_identical_gradients():
         assert torch.equal(plain, checkpointed)
 
 
+@pytest.mark.parametrize("lengths", [[5, 1, 8], [20, 1, 1]], ids=["padded", "per-sequence"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_packed_attention_is_causal_within_each_sequence_only(window):
+def test_packed_attention_is_causal_within_each_sequence_only(window, lengths):
+    # [5, 1, 8] runs as one padded call (24 padded tokens for 14); [20, 1, 1] as a call per
+    # sequence (60 padded tokens for 22 would be more than PADDED_BATCH_LIMIT allows)
     generator = torch.Generator().manual_seed(0)
-    lengths = [5, 1, 8]
-    q = torch.randn(14, 6, 16, generator=generator)  # (T, Hq, D)
-    k, v = torch.randn(2, 14, 2, 16, generator=generator)  # (T, Hkv, D) each
+    T = sum(lengths)
+    q = torch.randn(T, 6, 16, generator=generator)  # (T, Hq, D)
+    k, v = torch.randn(2, T, 2, 16, generator=generator)  # (T, Hkv, D) each
     attend = PackedCausalAttention.from_lengths(lengths, layer_windows=[window])
     expected = causal_attention_ref(q, k, v, attend.cu_seqlens, window)
     torch.testing.assert_close(attend(0, q, k, v), expected, atol=1e-6, rtol=1e-5)
     # changing a token of the last sequence leaves the other sequences' outputs alone
-    k2 = k.clone()
-    k2[-1] += 1.0
-    changed = (attend(0, q, k2, v) - attend(0, q, k, v)).abs().amax(dim=(1, 2))  # (T,)
-    assert changed[:6].max() == 0 and changed[-1] > 0
-    assert packed_positions(attend.cu_seqlens).tolist() == [0, 1, 2, 3, 4, 0, *range(8)]
+    v2 = v.clone()
+    v2[-1] += 1.0
+    changed = (attend(0, q, k, v2) - attend(0, q, k, v)).abs().amax(dim=(1, 2))  # (T,)
+    assert changed[: T - lengths[-1]].max() == 0 and changed[-1] > 0
+    expected_positions = [i for n in lengths for i in range(n)]
+    assert packed_positions(attend.cu_seqlens).tolist() == expected_positions
 
 
 def test_sharded_checkpoint_loads_and_our_save_is_an_hf_checkpoint(tmp_path):

@@ -68,6 +68,17 @@ def weights(checkpoint) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "model" / "model.safetensors"))
 
 
+def assert_same_update(model_dir, final_a, final_b, tolerance):
+    """What training changed agrees, tensor by tensor, within `tolerance` of its norm. AdamW
+    normalises each element's step, so an element whose gradient is ~0 can move by up to the
+    learning rate on rounding noise alone: an element-wise tolerance would test that noise."""
+    start = load_file(str(Path(model_dir) / "model.safetensors"))
+    for name, value in final_a.items():
+        step_a, step_b = value - start[name], final_b[name] - start[name]
+        error = ((step_b - step_a).norm() / step_a.norm().clamp(min=1e-12)).item()
+        assert error < tolerance, (name, error)
+
+
 def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(
     tiny_model_dir, tmp_path, capsys
 ):
@@ -220,8 +231,7 @@ def test_micro_batch_token_budget_does_not_change_the_update(tiny_model_dir, tmp
     (metrics_one, w_one), (metrics_many, w_many) = finals
     assert metrics_one["reward/mean"] == metrics_many["reward/mean"]  # same rollout
     assert metrics_one["loss"] == pytest.approx(metrics_many["loss"], abs=1e-6)
-    for key, value in w_one.items():
-        assert torch.allclose(w_many[key], value, atol=1e-6), key
+    assert_same_update(tiny_model_dir, w_one, w_many, 1e-4)
 
 
 def test_config_errors_name_the_problem_and_the_fix():
@@ -369,16 +379,9 @@ def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model
         assert fused["reward/mean"] == pytest.approx(ref["reward/mean"], abs=1e-6)  # same samples
         for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
             assert fused[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
-    # Compare what training changed, tensor by tensor. AdamW normalises each element's step, so an
-    # element whose gradient is ~0 can move by up to the learning rate on rounding noise alone:
-    # an element-wise tolerance would test that noise, a norm over the tensor does not.
-    start = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     final_ref = weights(latest_checkpoint(tmp_path / "off"))
     final_fused = weights(latest_checkpoint(tmp_path / "on"))
-    for name, value in final_ref.items():
-        step_ref, step_fused = value - start[name], final_fused[name] - start[name]
-        error = (step_fused - step_ref).norm() / step_ref.norm().clamp(min=1e-12)
-        assert error < 1e-3, (name, error)
+    assert_same_update(tiny_model_dir, final_ref, final_fused, 1e-3)
 
 
 @CPU_INTERPRETER_ONLY
