@@ -69,6 +69,7 @@ def native_model(shape):
             p.data.fill_(1.0)
         else:
             p.data.normal_(0, 0.02)
+    model.pack_projections()  # as load_native_model does on a GPU
     return model.eval()
 
 

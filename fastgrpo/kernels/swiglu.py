@@ -49,16 +49,19 @@ if triton is not None:
     @triton.jit
     def _silu_mul_kernel(
         gate_ptr,
-        up_ptr,
-        out_ptr,  # (n,) contiguous each
+        up_ptr,  # (rows, cols) each, unit column stride, rows `row_stride` elements apart
+        out_ptr,  # (rows * cols,) contiguous
         n,
+        cols,
+        row_stride,
         BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
-        g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        src = (offs // cols) * row_stride + offs % cols
+        g = tl.load(gate_ptr + src, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + src, mask=ok, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         silu = tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)).to(dtype)  # rounded as F.silu's output
         tl.store(out_ptr + offs, (silu.to(tl.float32) * u).to(dtype), mask=ok)
@@ -74,12 +77,16 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             f"gate and up must share a shape and one of {KERNEL_DTYPES}; got "
             f"{tuple(gate.shape)} {gate.dtype}, {tuple(up.shape)} {up.dtype}"
         )
-    if not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError("gate and up must be contiguous (the kernel walks their flat elements)")
+    row_stride = _row_stride(gate, up)
+    if row_stride is None:
+        raise ValueError(
+            "gate and up must be contiguous, or 2-D rows with unit column stride and one row "
+            "stride (e.g. the two halves of a packed gate/up projection)"
+        )
     if gate.device != up.device:
         raise ValueError("gate and up must live on one device")
-    out = torch.empty_like(gate)  # (..., I)
-    n = gate.numel()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # (..., I) contiguous
+    n, cols = gate.numel(), gate.shape[-1]
     if n == 0:
         return out
     _silu_mul_kernel[(triton.cdiv(n, BLOCK),)](
@@ -87,6 +94,8 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         up,
         out,
         n,
+        cols,
+        row_stride,
         BLOCK=BLOCK,
         LIBDEVICE=not _interpreting(),
         num_warps=4,
@@ -96,15 +105,23 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _row_stride(gate: torch.Tensor, up: torch.Tensor) -> int | None:
+    """Elements between rows of gate and up when the kernel can read them, else None."""
+    if gate.is_contiguous() and up.is_contiguous():
+        return gate.shape[-1] if gate.dim() else 1
+    if gate.dim() == 2 and gate.stride(1) == up.stride(1) == 1 and gate.stride(0) == up.stride(0):
+        return gate.stride(0)
+    return None
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: the kernel on contiguous CUDA tensors of the kernel's dtypes, else the
-    reference."""
+    """silu(gate) * up: the kernel on CUDA tensors of the kernel's dtypes it can read (contiguous,
+    or the halves of a packed gate/up projection), else the reference."""
     if (
         triton is not None
         and gate.is_cuda
         and gate.dtype in KERNEL_DTYPES
-        and gate.is_contiguous()
-        and up.is_contiguous()
+        and _row_stride(gate, up) is not None
     ):
         return silu_mul_triton(gate, up)
     return silu_mul_ref(gate, up)

@@ -47,6 +47,8 @@ def load_native_model(
     )
     model.source_dir = directory
     model.eos_token_ids = generation_eos_ids(directory)
+    if torch_device.type == "cuda":  # one GEMM for q/k/v and for gate/up in rollouts
+        model.pack_projections()
     return model
 
 
@@ -134,6 +136,7 @@ def save_safetensors(model: Transformer, directory: str | Path) -> Path:
 
     path = Path(directory) / "model.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
+    # copies: packed projections share storage, which safetensors refuses to write
+    state = {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
     save_file(state, str(path), metadata={"format": "pt"})
     return path

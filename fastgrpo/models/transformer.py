@@ -41,6 +41,7 @@ from fastgrpo.kernels.rms_norm import add_rms_norm
 from fastgrpo.kernels.rope import apply_rope_qk_
 from fastgrpo.kernels.swiglu import silu_mul
 from fastgrpo.models.attention import PackedCausalAttention
+from fastgrpo.models.packed import PackedLinears
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -317,12 +318,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: PackedLinears | None = None  # set by Transformer.pack_projections
 
     def forward(self, x, cos, sin, attend: Attend, fused: bool = False) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if fused and self.qkv is not None and self.qkv.intact():
+            q, k, v = self.qkv(x)  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D): views of one GEMM
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if fused:
             if self.q_norm is not None:
                 q, k = self.q_norm.add_and_norm(q, None)[0], self.k_norm.add_and_norm(k, None)[0]
@@ -342,9 +348,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up: PackedLinears | None = None  # set by Transformer.pack_projections
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)  # (T, I) each
+        if fused and self.gate_up is not None and self.gate_up.intact():
+            gate, up = self.gate_up(x)  # (T, I) each: views of one GEMM
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (T, I) each
         return self.down_proj(silu_mul(gate, up) if fused else F.silu(gate) * up)  # (T, H)
 
 
@@ -402,6 +412,15 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head_weight.device
+
+    def pack_projections(self) -> None:
+        """q/k/v and gate/up each become views of one packed weight, so the rollout engine's
+        forwards run one GEMM per group (`PackedLinears`). Call it before making the optimizer:
+        the parameters are new tensors (same values, same names)."""
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.qkv = PackedLinears([attention.q_proj, attention.k_proj, attention.v_proj])
+            mlp.gate_up = PackedLinears([mlp.gate_proj, mlp.up_proj])
 
     @property
     def lm_head_weight(self) -> nn.Parameter:

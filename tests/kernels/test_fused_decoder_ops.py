@@ -154,6 +154,14 @@ def test_silu_mul_kernel_matches_silu_times_up(dtype, shape):
     assert _ulps(out, swiglu.silu_mul_ref(gate, up)).max() <= INTERPRETER_ULPS[dtype]
 
 
+def test_silu_mul_kernel_reads_the_halves_of_a_packed_gate_up_projection():
+    gate_up = _randn(7, 2 * 13, dtype=torch.float32, seed=5, scale=4.0)  # (T, 2I), [gate | up]
+    gate, up = gate_up.split(13, dim=-1)  # (T, I) views, rows 2I apart
+    out = swiglu.silu_mul_triton(gate, up)
+    assert out.is_contiguous() and out.shape == (7, 13)
+    assert _ulps(out, swiglu.silu_mul_ref(gate, up)).max() <= INTERPRETER_ULPS[torch.float32]
+
+
 # ----------------------------------------------------------------------------- launchers
 
 

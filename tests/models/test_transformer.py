@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -382,3 +383,56 @@ def test_bf16_model_on_cuda_is_within_twice_hfs_bf16_error_in_logits_and_gradien
     assert (got[0] - exact[0]).norm() <= 2 * (base[0] - exact[0]).norm()
     for name, ref in exact[1].items():
         assert (got[1][name] - ref).norm() <= 2 * (base[1][name] - ref).norm(), name
+
+
+def test_packed_projections_compute_the_same_outputs_and_follow_in_place_updates(tmp_path):
+    _, ours = build_pair(FAMILIES["llama3-untied-bias"]())  # q/k/v and MLP biases
+    ids, positions, cu = packed_batch(ours.config.vocab_size)
+    attend = ours.packed_attention(cu, int(cu.diff().max()))
+    with torch.no_grad():
+        before = ours(torch.cat(ids), positions, attend)  # (T, H)
+    names = [name for name, _ in ours.named_parameters()]
+    ours.pack_projections()
+    assert [name for name, _ in ours.named_parameters()] == names
+    attention, mlp = ours.model.layers[0].self_attn, ours.model.layers[0].mlp
+    x = torch.randn(5, ours.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(ours(torch.cat(ids), positions, attend), before)
+        for packed, linears in (
+            (attention.qkv, [attention.q_proj, attention.k_proj, attention.v_proj]),
+            (mlp.gate_up, [mlp.gate_proj, mlp.up_proj]),
+        ):
+            for got, linear in zip(packed(x), linears):
+                torch.testing.assert_close(got, linear(x), rtol=1e-6, atol=1e-6)
+        # an optimizer step updates the parameters in place: the packed GEMM sees it
+        attention.k_proj.weight.add_(1.0)
+        attention.v_proj.bias.mul_(-2.0)
+        _, k, v = attention.qkv(x)
+        torch.testing.assert_close(k, attention.k_proj(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v, attention.v_proj(x), rtol=1e-6, atol=1e-6)
+    assert attention.qkv.intact()
+    attention.q_proj.weight = torch.nn.Parameter(attention.q_proj.weight.clone())  # replaced
+    assert not attention.qkv.intact()  # the engine falls back to one GEMM per projection
+    save_safetensors(ours, tmp_path)  # shared storage must not stop a checkpoint
+    reloaded = Transformer(ours.config)
+    reloaded.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+    for (name, a), b in zip(ours.named_parameters(), reloaded.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_projections_give_the_engines_forward_within_bf16_rounding():
+    _, ours = build_pair(FAMILIES["qwen3-qknorm-odd-head-dim"]())
+    ours = ours.cuda().to(torch.bfloat16)
+    ids, positions, cu = packed_batch(ours.config.vocab_size)
+    ids, positions, cu = torch.cat(ids).cuda(), positions.cuda(), cu.cuda()
+    attend = ours.packed_attention(cu, int(cu.diff().max()))
+    with torch.no_grad():
+        plain = ours(ids, positions, attend, fused_ops=True)  # (T, H)
+        ours.pack_projections()
+        assert ours.model.layers[0].self_attn.qkv.intact()
+        packed = ours(ids, positions, attend, fused_ops=True)
+        exact = ours.float()(ids, positions, attend)
+    own = (plain.double() - exact.double()).abs()  # bf16's own error on this forward
+    assert (packed.double() - exact.double()).abs().max() <= 1.5 * own.max()
