@@ -154,6 +154,15 @@ def test_silu_mul_kernel_matches_silu_times_up(dtype, shape):
     assert _ulps(out, swiglu.silu_mul_ref(gate, up)).max() <= INTERPRETER_ULPS[dtype]
 
 
+def test_rms_norm_kernel_normalises_the_heads_of_a_packed_qkv_projection():
+    qkv = _randn(5, 6 * 16 + 2 * 2 * 16, dtype=torch.float32, seed=3)  # (T, (nh + 2 nkv) * D)
+    q = qkv[:, : 6 * 16].view(5, 6, 16)  # (T, nh, D): heads 16 apart, tokens 160 apart
+    weight = _randn(16, dtype=torch.float32, seed=4, scale=0.2) + 1
+    normed, _ = rms_norm.add_rms_norm_triton(q, None, weight, 1e-6)
+    want, _ = rms_norm.add_rms_norm_ref(q, None, weight, 1e-6)
+    assert _ulps(normed, want).max() <= INTERPRETER_ULPS[torch.float32]
+
+
 def test_silu_mul_kernel_reads_the_halves_of_a_packed_gate_up_projection():
     gate_up = _randn(7, 2 * 13, dtype=torch.float32, seed=5, scale=4.0)  # (T, 2I), [gate | up]
     gate, up = gate_up.split(13, dim=-1)  # (T, I) views, rows 2I apart
