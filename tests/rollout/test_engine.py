@@ -248,3 +248,22 @@ def test_cuda_graph_decode_gives_what_eager_decode_gives():
         assert torch.equal(eager.tokens, graph.tokens)
         assert torch.equal(eager.logp, graph.logp)
     assert not torch.equal(outs[0].tokens, outs[1].tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_graph_samples_from_weights_an_optimizer_changed_in_place():
+    _, ours = tiny_pair("llama", seed=8)
+    ours = ours.cuda().to(torch.bfloat16)
+    ours.pack_projections()
+    engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=1)
+    before = engine.generate(PROMPTS, num_samples=2, max_new_tokens=12, params=GREEDY)
+    (wave,) = engine._kept.values()
+    graph = wave.graph
+    assert graph is not None and not (before.tokens == 0).all()
+    with torch.no_grad():  # what an optimizer step does: change the parameters in place
+        ours.lm_head.weight.zero_()
+        ours.model.layers[0].self_attn.k_proj.weight.mul_(0.5)  # a packed projection too
+    after = engine.generate(PROMPTS, num_samples=2, max_new_tokens=12, params=GREEDY)
+    assert wave.graph is graph  # replayed, not captured again
+    assert (after.tokens == 0).all()  # all logits tie: greedy takes the lowest id
