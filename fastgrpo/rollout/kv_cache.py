@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.kernels.decode_attention import decode_attention
+from fastgrpo.kernels.kv_write import write_kv
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -84,9 +85,7 @@ class DecodeAttention:
 
     def __call__(self, layer: int, q, k, v):
         c = self.cache
-        index = self.slot.view(1)
-        c.comp_k[layer].index_copy_(1, index, k.unsqueeze(1))
-        c.comp_v[layer].index_copy_(1, index, v.unsqueeze(1))
+        write_kv(c.comp_k[layer], c.comp_v[layer], k, v, self.slot)
         return decode_attention(
             q,
             c.prompt_k[layer],
