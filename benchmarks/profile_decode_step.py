@@ -1,9 +1,11 @@
 """Kernel-level profile of the engine's decode steps (no CUDA graph, so each kernel shows).
 
-0.5B shape, random bf16 weights, 64 rows, prompt 128, 33 new tokens; prints the top CUDA kernels.
-Run on a CUDA GPU:  python benchmarks/profile_decode_step.py
+0.5B shape, random bf16 weights, prompt 128, 33 new tokens, 64 rows (64 prompts x 1 sample, or
+e.g. 8 x 8 with --prompts 8 --samples 8); prints the top CUDA kernels.
+Run on a CUDA GPU:  python benchmarks/profile_decode_step.py [--prompts P --samples G]
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,13 +21,19 @@ from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=1)
+    args = parser.parse_args()
     model = native_model("0.5B")
-    prompts = prompts_of(64, 128, model.config.vocab_size)
+    prompts = prompts_of(args.prompts, 128, model.config.vocab_size)
     never = model.config.vocab_size
     engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=False)
 
     def run(new_tokens):
-        engine.generate(prompts, num_samples=1, max_new_tokens=new_tokens, params=PARAMS, seed=1)
+        engine.generate(
+            prompts, num_samples=args.samples, max_new_tokens=new_tokens, params=PARAMS, seed=1
+        )
         torch.cuda.synchronize()
 
     run(8)
