@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
 
@@ -103,17 +104,21 @@ class WaveBuffers:
     def start(self, prompts: list[list[int]], seeds: torch.Tensor) -> None:
         """Prefill the prompts into the cache and sample every row's first token."""
         model, device = self.model, self.device
+        if self.graph is not None and self.graph_inputs != self._inputs():
+            self.graph = None  # a parameter or the RoPE table moved: capture again
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)  # (P,)
-        cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
-        cu[1:] = lens.cumsum(0)
+        cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)  # (P + 1,)
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)  # (T,)
-        positions = torch.cat([torch.arange(n) for n in lens.tolist()])  # (T,)
+        positions = packed_positions(cu)  # (T,) position of each token within its prompt
+        prompt = torch.repeat_interleave(torch.arange(len(prompts)), lens)  # (T,)
+        slots = prompt * self.cache.prompt_k[0].shape[1] + positions  # (T,) in the prompt cache
         self.cache.prompt_lens.copy_(lens)
         self.base_positions.copy_(lens.repeat_interleave(self.group))
         self.seeds.copy_(seeds)
         self.state.reset()
         cu = cu.to(device)
-        attend = PrefillAttention(self.cache, cu, model.packed_attention(cu, int(lens.max())))
+        packed = model.packed_attention(cu, int(lens.max()))
+        attend = PrefillAttention(self.cache, slots.to(device), packed)
         hidden = model(
             flat.to(device),
             positions.to(device),
@@ -130,7 +135,7 @@ class WaveBuffers:
         """One decode step: replayed from the graph on a GPU (captured on first use)."""
         if not self.use_graph:
             return self._step()
-        if self.graph is not None and self.graph_inputs == self._inputs():
+        if self.graph is not None:  # `start` drops it if what it reads has moved
             return self.graph.replay()
         self._capture()
 
@@ -146,7 +151,8 @@ class WaveBuffers:
         s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids)
 
     def _inputs(self) -> tuple:
-        """Addresses the graph reads beyond its own buffers: parameters and the RoPE table."""
+        """Addresses the graph reads beyond its own buffers: parameters and the RoPE table. Checked
+        once per rollout in `start`, not per step: nothing moves them during a rollout."""
         rotary = self.model.rotary
         return (*(p.data_ptr() for p in self.model.parameters()), rotary.cos.data_ptr())
 

@@ -55,19 +55,13 @@ class KVCache:
 
 
 class PrefillAttention:
-    """Packed prompts (no padding): store each token's k/v at (prompt, position), then attend
-    causally within each prompt."""
+    """Packed prompts (no padding): store each token's k/v at its (prompt, position) slot, then
+    attend causally within each prompt."""
 
-    def __init__(self, cache: KVCache, cu_seqlens: torch.Tensor, attention):
-        """`attention`: the model's packed causal attention for these prompts."""
-        self.cache = cache
-        lengths = cu_seqlens.diff()  # (P,)
-        prompt = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.cpu())
-        start = cu_seqlens[:-1].cpu().repeat_interleave(lengths.cpu())
-        position = torch.arange(int(cu_seqlens[-1])) - start  # (T,) position within its prompt
-        Lp = cache.prompt_k[0].shape[1]
-        self.slots = (prompt * Lp + position).to(cu_seqlens.device)  # (T,) flat (P*Lp) index
-        self.attention = attention
+    def __init__(self, cache: KVCache, slots: torch.Tensor, attention):
+        """`slots` (T,): each token's flat index prompt * Lp + position in the prompt cache;
+        `attention`: the model's packed causal attention for these prompts."""
+        self.cache, self.slots, self.attention = cache, slots, attention
 
     def __call__(self, layer: int, q, k, v):
         c = self.cache
