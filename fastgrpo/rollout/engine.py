@@ -113,9 +113,9 @@ class RolloutEngine:
             raise ValueError(
                 f"num_samples and max_new_tokens must be >= 1, got {num_samples}, {max_new_tokens}"
             )
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = self.model.config.max_position_embeddings
         longest = max(len(p) for p in prompts) + max_new_tokens
-        windows = [w for w in getattr(self.model.config, "layer_windows", ()) if w is not None]
+        windows = [w for w in self.model.config.layer_windows if w is not None]
         if windows and longest > min(windows):
             raise ValueError(
                 f"prompt + completion reaches {longest} tokens, past the model's sliding attention "
@@ -140,8 +140,9 @@ class RolloutEngine:
         return DEFAULT_CPU_MEMORY_BYTES
 
     def _row_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Memory one sample row costs in a wave: its completion cache, a 1/1 share of its prompt's
-        cache (counted in full, which is safe for G >= 1), and the sampler's fp32 logits work."""
+        """Memory one sample row costs in a wave: its completion cache, its prompt's cache (counted
+        in full for every row, an upper bound when G samples share it), and the sampler's fp32
+        logits work."""
         cfg = self.model.config
         per_token = kv_bytes_per_token(cfg, self.dtype)
         return per_token * (prompt_len + max_new_tokens) + 4 * 4 * cfg.vocab_size
