@@ -3,6 +3,9 @@
 What: `apply_rope_qk_(q, k, cos, sin)` rotates q (T, nh, D) and k (T, nkv, D) in place by cos/sin
 (T, D) in the rotate_half convention of Hugging Face: x * cos + cat(-x2, x1) * sin, with x1, x2
 the two halves of each head. One program per token rotates all its q and k heads.
+`rope_write_kv_(q, k, v, cos, sin, comp_k, comp_v, slot)` is a decode step's RoPE and KV-cache
+write in the same launch: the rotated k and the v of each row stored at completion slot `slot`
+(as `kv_write.write_kv` stores them), which saves the decode step a launch per layer.
 
 Why: a decode step of the 0.5B model at 64 rows takes 3.3 ms on an H100, ~2 ms of it in small
 elementwise kernels of 1.5-4 us each, ~20 per layer (benchmarks/results/profile_decode_step_h100_v2
@@ -14,13 +17,15 @@ rounded to that dtype, then their sum is (the multiplies and the add are separat
 The kernel computes each step in fp32 and rounds where torch does, with no fused multiply-add, so
 the result is bitwise the torch one (the product of two 16-bit values is exact in fp32).
 
-Reference: `apply_rope_qk_ref`, the model's own `apply_rope` on q and on k.
+Reference: `apply_rope_qk_ref`, the model's own `apply_rope` on q and on k; `rope_write_kv_ref`
+adds `write_kv_ref`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fastgrpo.kernels.kv_write import write_kv_ref
 from fastgrpo.kernels.lm_head_stats import triton
 
 if triton is not None:
@@ -55,8 +60,11 @@ if triton is not None:
         HALF: tl.constexpr,
         HALF_PAD: tl.constexpr,
         HEADS_PAD: tl.constexpr,
+        copy_base=None,  # with COPY: pointer to head 0 of a contiguous (n_heads, 2 * HALF) copy
+        COPY: tl.constexpr = False,
     ):
-        """Rotate n_heads heads in place, rounding each product and the sum to their dtype."""
+        """Rotate n_heads heads in place, rounding each product and the sum to their dtype; with
+        COPY, also store the rotated heads at copy_base (the KV cache)."""
         heads = tl.arange(0, HEADS_PAD)
         offs = tl.arange(0, HALF_PAD)
         ok = (heads < n_heads)[:, None] & (offs < HALF)[None, :]
@@ -74,6 +82,10 @@ if triton is not None:
         lo, hi = lo1 + lo2, hi1 + hi2
         tl.store(at, lo.to(dtype), mask=ok)
         tl.store(at + HALF, hi.to(dtype), mask=ok)
+        if COPY:
+            copy_at = copy_base + heads[:, None].to(tl.int64) * (2 * HALF) + offs[None, :]
+            tl.store(copy_at, lo.to(dtype), mask=ok)
+            tl.store(copy_at + HALF, hi.to(dtype), mask=ok)
 
     @triton.jit
     def _rope_qk_kernel(
@@ -87,12 +99,20 @@ if triton is not None:
         stride_kh,
         stride_ct,
         stride_st,
+        v_ptr,  # (T, nkv, D), unit stride on D; unused without WRITE_KV
+        ck_ptr,
+        cv_ptr,  # (T, Tc, nkv, D) contiguous completion caches; unused without WRITE_KV
+        slot_ptr,  # () int64 cache slot; unused without WRITE_KV
+        stride_vt,
+        stride_vh,
+        Tc,
         NQ: tl.constexpr,
         NK: tl.constexpr,
         HALF: tl.constexpr,
         HALF_PAD: tl.constexpr,
         NQ_PAD: tl.constexpr,
         NK_PAD: tl.constexpr,
+        WRITE_KV: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, HALF_PAD)
@@ -104,7 +124,33 @@ if triton is not None:
         s1 = tl.load(sin_at, mask=ok, other=0.0).to(tl.float32)
         s2 = tl.load(sin_at + HALF, mask=ok, other=0.0).to(tl.float32)
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, NQ, c1, c2, s1, s2, HALF, HALF_PAD, NQ_PAD)
-        _rotate_heads(k_ptr + t * stride_kt, stride_kh, NK, c1, c2, s1, s2, HALF, HALF_PAD, NK_PAD)
+        if WRITE_KV:
+            # this token's cache row: (t, slot) of (T, Tc, nkv, D)
+            cache_row = (t * Tc + tl.load(slot_ptr)) * (NK * 2 * HALF)
+            k_base = k_ptr + t * stride_kt
+            _rotate_heads(
+                k_base,
+                stride_kh,
+                NK,
+                c1,
+                c2,
+                s1,
+                s2,
+                HALF,
+                HALF_PAD,
+                NK_PAD,
+                ck_ptr + cache_row,
+                True,
+            )
+            heads = tl.arange(0, NK_PAD)
+            dims = tl.arange(0, 2 * HALF_PAD)
+            ok_v = (heads < NK)[:, None] & (dims < 2 * HALF)[None, :]
+            at_v = v_ptr + t * stride_vt + heads[:, None].to(tl.int64) * stride_vh + dims[None, :]
+            to_v = cv_ptr + cache_row + heads[:, None].to(tl.int64) * (2 * HALF) + dims[None, :]
+            tl.store(to_v, tl.load(at_v, mask=ok_v, other=0.0), mask=ok_v)
+        else:
+            k_base = k_ptr + t * stride_kt
+            _rotate_heads(k_base, stride_kh, NK, c1, c2, s1, s2, HALF, HALF_PAD, NK_PAD)
 
 
 def _check_inputs(q, k, cos, sin) -> None:
@@ -135,6 +181,25 @@ def _check_inputs(q, k, cos, sin) -> None:
 def apply_rope_qk_triton(q, k, cos, sin) -> None:
     """Rotate q and k in place as `apply_rope_qk_ref` computes them, by the Triton kernel. No
     host sync, so it can be captured in a CUDA graph."""
+    _launch(q, k, cos, sin, None)
+
+
+def rope_write_kv_triton(q, k, v, cos, sin, comp_k, comp_v, slot) -> None:
+    """As `rope_write_kv_ref`, by one Triton launch (one program per row)."""
+    B, Tc, nkv, d = comp_k.shape
+    if comp_v.shape != comp_k.shape or k.shape != (B, nkv, d) or v.shape != (B, nkv, d):
+        raise ValueError(
+            f"caches (B, Tc, nkv, d) and k, v (B, nkv, d) expected, got {tuple(comp_k.shape)}, "
+            f"{tuple(comp_v.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (comp_k.is_contiguous() and comp_v.is_contiguous()) or v.stride(-1) != 1:
+        raise ValueError("the caches must be contiguous and v needs unit stride on its last dim")
+    if len({comp_k.dtype, comp_v.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError("caches and k, v must share one dtype")
+    _launch(q, k, cos, sin, (v, comp_k, comp_v, slot))
+
+
+def _launch(q, k, cos, sin, kv_write) -> None:
     if triton is None:
         raise RuntimeError("the Triton RoPE kernel needs `pip install triton`")
     _check_inputs(q, k, cos, sin)
@@ -142,6 +207,7 @@ def apply_rope_qk_triton(q, k, cos, sin) -> None:
     nkv = k.shape[1]
     if T == 0:
         return
+    v, comp_k, comp_v, slot = kv_write if kv_write is not None else (k, q, q, q)
     _rope_qk_kernel[(T,)](
         q,
         k,
@@ -153,12 +219,20 @@ def apply_rope_qk_triton(q, k, cos, sin) -> None:
         k.stride(1),
         cos.stride(0),
         sin.stride(0),
+        v,
+        comp_k,
+        comp_v,
+        slot,
+        v.stride(0),
+        v.stride(1),
+        comp_k.shape[1] if kv_write is not None else 0,
         NQ=nh,
         NK=nkv,
         HALF=D // 2,
         HALF_PAD=triton.next_power_of_2(D // 2),
         NQ_PAD=triton.next_power_of_2(nh),
         NK_PAD=triton.next_power_of_2(nkv),
+        WRITE_KV=kv_write is not None,
         num_warps=4,
         enable_fp_fusion=False,
     )
@@ -172,3 +246,25 @@ def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     q_rot, k_rot = apply_rope_qk_ref(q, k, cos, sin)
     q.copy_(q_rot)
     k.copy_(k_rot)
+
+
+def rope_write_kv_ref(q, k, v, cos, sin, comp_k, comp_v, slot) -> None:
+    """A decode step's RoPE and KV-cache write: q (B, nh, D) and k (B, nkv, D) rotated in place,
+    then k and v (B, nkv, D) stored at completion slot `slot` (() int64) of comp_k and comp_v
+    (B, Tc, nkv, D)."""
+    apply_rope_qk_(q, k, cos, sin)
+    write_kv_ref(comp_k, comp_v, k, v, slot)
+
+
+def rope_write_kv_(q, k, v, cos, sin, comp_k, comp_v, slot) -> None:
+    """`rope_write_kv_ref` by one kernel on CUDA tensors it can read, else the reference."""
+    if (
+        triton is not None
+        and q.is_cuda
+        and q.dtype in KERNEL_DTYPES
+        and comp_k.is_contiguous()
+        and comp_v.is_contiguous()
+        and v.stride(-1) == 1
+    ):
+        return rope_write_kv_triton(q, k, v, cos, sin, comp_k, comp_v, slot)
+    return rope_write_kv_ref(q, k, v, cos, sin, comp_k, comp_v, slot)

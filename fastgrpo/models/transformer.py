@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.kernels.rms_norm import add_rms_norm
 from fastgrpo.kernels.rope import apply_rope_qk_
@@ -321,24 +322,35 @@ class Attention(nn.Module):
         self.qkv: PackedLinears | None = None  # set by Transformer.pack_projections
 
     def forward(self, x, cos, sin, attend: Attend, fused: bool = False) -> torch.Tensor:
-        T = x.shape[0]
         if fused and self.qkv is not None and self.qkv.intact():
             q, k, v = self.qkv(x)  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D): views of one GEMM
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend_projected(q, k, v, cos, sin, attend, fused))  # (T, H)
+
+    def attend_projected(self, q, k, v, cos, sin, attend: Attend, fused: bool) -> torch.Tensor:
+        """Attention output (T, Hq*D), before o_proj, of projected q (T, Hq*D), k and v
+        (T, Hkv*D). On the fused path an `attend` that keeps a KV cache may rotate and store
+        in one kernel (`rope_and_attend`)."""
+        T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if fused:
             if self.q_norm is not None:
                 q, k = self.q_norm.add_and_norm(q, None)[0], self.k_norm.add_and_norm(k, None)[0]
-            apply_rope_qk_(q, k, cos, sin)  # in place: q and k are this layer's own tensors
+            rope_and_attend = getattr(attend, "rope_and_attend", None)
+            if rope_and_attend is not None:
+                out = rope_and_attend(self.layer_index, q, k, v, cos, sin)  # (T, Hq, D)
+            else:
+                apply_rope_qk_(q, k, cos, sin)  # in place: q and k are this layer's own tensors
+                out = attend(self.layer_index, q, k, v)  # (T, Hq, D)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(self.layer_index, q, k, v)  # (T, Hq, D)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # (T, H)
+            out = attend(self.layer_index, q, k, v)  # (T, Hq, D)
+        return out.reshape(T, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -374,10 +386,33 @@ class DecoderLayer(nn.Module):
         """The inference path: x is the previous layer's MLP output (the embeddings, with residual
         None, in layer 0) and residual the stream it is still to be added to; each add is fused
         into the norm after it. Returns this layer's (MLP output, residual), (T, H) each."""
+        if self.takes_decode_linears(x):
+            return self.forward_decode(x, residual, cos, sin, attend)
         h, residual = self.input_layernorm.add_and_norm(x, residual)  # (T, H) each
         x = self.self_attn(h, cos, sin, attend, fused=True)  # (T, H)
         h, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(h, fused=True), residual
+
+    def takes_decode_linears(self, x: torch.Tensor) -> bool:
+        """A decode batch (`decode_linear.applies`) on packed projections."""
+        packs = (self.self_attn.qkv, self.mlp.gate_up)
+        return decode_linear.applies(x) and all(p is not None and p.intact() for p in packs)
+
+    def forward_decode(self, x, residual, cos, sin, attend: Attend):
+        """`forward_fused` for a decode batch in four linear kernels: residual add + norm + q/k/v,
+        o_proj, residual add + norm + gate/up + SiLU * up, down_proj."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = decode_linear.norm_linear(
+            x, residual, norm1.weight, norm1.eps, attn.qkv.weight, attn.qkv.bias
+        )  # (T, (Hq + 2 Hkv) * D), (T, H)
+        q, k, v = qkv.split(attn.qkv.sizes, dim=-1)
+        out = attn.attend_projected(q, k, v, cos, sin, attend, fused=True)  # (T, Hq*D)
+        x = decode_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
+        act, residual = decode_linear.norm_linear(
+            x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
+        )  # (T, I), (T, H)
+        return decode_linear.linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class Decoder(nn.Module):

@@ -19,6 +19,7 @@ import torch
 
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.kv_write import write_kv
+from fastgrpo.kernels.rope import rope_write_kv_
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -78,8 +79,17 @@ class DecodeAttention:
         self.cache, self.slot = cache, slot
 
     def __call__(self, layer: int, q, k, v):
+        write_kv(self.cache.comp_k[layer], self.cache.comp_v[layer], k, v, self.slot)
+        return self._attend(layer, q)
+
+    def rope_and_attend(self, layer: int, q, k, v, cos, sin):
+        """As __call__ for q and k not yet rotated: the rotation and the KV write are one kernel."""
         c = self.cache
-        write_kv(c.comp_k[layer], c.comp_v[layer], k, v, self.slot)
+        rope_write_kv_(q, k, v, cos, sin, c.comp_k[layer], c.comp_v[layer], self.slot)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q):
+        c = self.cache
         return decode_attention(
             q,
             c.prompt_k[layer],

@@ -1,0 +1,186 @@
+"""The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode_linear.py`) at
+several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul).
+
+Each op is timed as it runs in a decode step: 24 calls (one per layer, each with its own weights, so
+nothing stays in L2 between calls) captured in one CUDA graph, the graph replayed; the time per call
+is the replay time over 24. Both with and without programmatic dependent launch (PDL) for the
+default configuration. Prints a table, then one JSON line. Run on a CUDA GPU:
+    python benchmarks/tune_decode_linear.py [--rows 64 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastgrpo.kernels import decode_linear  # noqa: E402
+from fastgrpo.kernels.rms_norm import add_rms_norm_triton  # noqa: E402
+from fastgrpo.kernels.swiglu import silu_mul_triton  # noqa: E402
+
+LAYERS = 24
+# name: (K, N, norm + residual, bias, swiglu)
+OPS = {
+    "0.5B qkv": (896, 1152, True, True, False),
+    "0.5B o_proj": (896, 896, False, False, False),
+    "0.5B gate_up": (896, 4864, True, False, True),
+    "0.5B down": (4864, 896, False, False, False),
+    "7B qkv": (3584, 4608, True, True, False),
+    "7B o_proj": (3584, 3584, False, False, False),
+    "7B gate_up": (3584, 18944, True, False, True),
+    "7B down": (18944, 3584, False, False, False),
+}
+CONFIGS = [
+    dict(BN=bn, BK=bk, num_warps=w, num_stages=s)
+    for bn, bk, (w, s) in itertools.product((16, 32, 64, 128), (64, 128), ((4, 3), (4, 5), (8, 4)))
+]
+
+
+def make_layers(M, K, N, norm, bias, swiglu):
+    rows = 2 * N if swiglu else N
+    dev, bf16 = "cuda", torch.bfloat16
+    layers = []
+    for _ in range(LAYERS):
+        layers.append(
+            dict(
+                weight=torch.randn(rows, K, device=dev, dtype=bf16) * K**-0.5,
+                bias=torch.randn(rows, device=dev, dtype=bf16) if bias else None,
+                norm_weight=torch.ones(K, device=dev, dtype=bf16) if norm else None,
+            )
+        )
+    x = torch.randn(M, K, device=dev, dtype=bf16)
+    residual = torch.randn(M, K, device=dev, dtype=bf16) if norm else None
+    return x, residual, layers
+
+
+def unfused(x, residual, layer, swiglu):
+    """What the decode step ran before: add_rms_norm kernel, cuBLAS, silu_mul kernel."""
+    h = x
+    if layer["norm_weight"] is not None:
+        h, _ = add_rms_norm_triton(x, residual, layer["norm_weight"], 1e-6)
+    out = F.linear(h, layer["weight"], layer["bias"])
+    if swiglu:
+        gate, up = out.chunk(2, dim=-1)
+        out = silu_mul_triton(gate, up)
+    return out
+
+
+def fused(x, residual, layer, swiglu, config):
+    return decode_linear.norm_linear_triton(
+        x, residual, layer["norm_weight"], 1e-6, layer["weight"], layer["bias"], swiglu, config
+    )[0]
+
+
+def time_per_call(step, replays=50) -> float:
+    """Microseconds per call of `step(layer_index)`, 24 calls in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(LAYERS):  # warm-up: compile and autotune outside the capture
+            step(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LAYERS):
+            step(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / replays / LAYERS)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
+    K, N, norm, bias, swiglu = OPS[name]
+    x, residual, layers = make_layers(M, K, N, norm, bias, swiglu)
+    floor_us = layers[0]["weight"].numel() * 2 / bandwidth * 1e6
+    row = dict(op=name, rows=M, floor_us=floor_us)
+    row["unfused_us"] = time_per_call(lambda i: unfused(x, residual, layers[i], swiglu))
+
+    def run(config):
+        return time_per_call(lambda i: fused(x, residual, layers[i], swiglu, config))
+
+    for pdl in (True, False):
+        decode_linear.PDL_ENABLED = pdl
+        row["default_us" if pdl else "default_no_pdl_us"] = run(None)
+    decode_linear.PDL_ENABLED = True
+    row["default"] = decode_linear.pick_config(M, N, K, swiglu)
+    sweep = []
+    for config in [] if quick else CONFIGS:
+        try:
+            sweep.append(dict(config=config, us=run(config)))
+        except Exception as error:  # out of shared memory or registers: skip it
+            print(f"  {config}: {type(error).__name__}", file=sys.stderr)
+    if sweep:
+        best = min(sweep, key=lambda s: s["us"])
+        row["best"], row["best_us"], row["sweep"] = best["config"], best["us"], sweep
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--quick", action="store_true", help="default configuration only")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), help="names from OPS")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    results = []
+    for name in args.ops:
+        for M in args.rows:
+            row = measure_op(name, M, args.quick, bandwidth)
+            results.append(row)
+            best = f"{row['best_us']:7.2f} {row['best']}" if "best" in row else ""
+            print(
+                f"{name:<13} M={M:<4} floor {row['floor_us']:6.2f} us  unfused "
+                f"{row['unfused_us']:7.2f}  fused {row['default_us']:7.2f} (no PDL "
+                f"{row['default_no_pdl_us']:7.2f})  best {best}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    print(
+        json.dumps(
+            {
+                "bench": "tune_decode_linear",
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "commit": os.environ.get("FASTGRPO_COMMIT", "unknown"),
+                "copy_bandwidth_tb_s": bandwidth / 1e12,
+                "results": results,
+            }
+        )
+    )
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 2 * 20 / (start.elapsed_time(end) / 1000)
+
+
+if __name__ == "__main__":
+    main()
