@@ -1,5 +1,6 @@
 """The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode_linear.py`) at
-several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul).
+several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul), and
+the residual add + RMSNorm in the linear's prologue against the add_rms_norm kernel before it.
 
 Each op is timed as it runs in a decode step: 24 calls (one per layer, each with its own weights, so
 nothing stays in L2 between calls) captured in one CUDA graph, the graph replayed; the time per call
@@ -73,9 +74,17 @@ def unfused(x, residual, layer, swiglu):
     return out
 
 
-def fused(x, residual, layer, swiglu, config):
+def fused(x, residual, layer, swiglu, config, fuse_norm=None):
     return decode_linear.norm_linear_triton(
-        x, residual, layer["norm_weight"], 1e-6, layer["weight"], layer["bias"], swiglu, config
+        x,
+        residual,
+        layer["norm_weight"],
+        1e-6,
+        layer["weight"],
+        layer["bias"],
+        swiglu,
+        config,
+        fuse_norm,
     )[0]
 
 
@@ -120,6 +129,13 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
         row["default_us" if pdl else "default_no_pdl_us"] = run(None)
     decode_linear.PDL_ENABLED = True
     row["default"] = decode_linear.pick_config(M, N, K, swiglu)
+    if norm:  # the norm in the linear's prologue, with and without the residual add
+        row["norm_in_prologue_us"] = time_per_call(
+            lambda i: fused(x, residual, layers[i], swiglu, None, fuse_norm=True)
+        )
+        row["norm_in_prologue_no_residual_us"] = time_per_call(
+            lambda i: fused(x, None, layers[i], swiglu, None, fuse_norm=True)
+        )
     sweep = []
     for config in [] if quick else CONFIGS:
         try:
@@ -145,10 +161,16 @@ def main():
             row = measure_op(name, M, args.quick, bandwidth)
             results.append(row)
             best = f"{row['best_us']:7.2f} {row['best']}" if "best" in row else ""
+            prologue = (
+                f"  norm in prologue {row['norm_in_prologue_us']:6.2f} (no residual "
+                f"{row['norm_in_prologue_no_residual_us']:6.2f})"
+                if "norm_in_prologue_us" in row
+                else ""
+            )
             print(
                 f"{name:<13} M={M:<4} floor {row['floor_us']:6.2f} us  unfused "
                 f"{row['unfused_us']:7.2f}  fused {row['default_us']:7.2f} (no PDL "
-                f"{row['default_no_pdl_us']:7.2f})  best {best}",
+                f"{row['default_no_pdl_us']:7.2f}){prologue}  best {best}",
                 flush=True,
             )
             torch.cuda.empty_cache()

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
-from fastgrpo.kernels.rms_norm import add_rms_norm_ref
+from fastgrpo.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_triton
 
 if triton is not None:
     import triton.language as tl
@@ -54,6 +54,11 @@ ENABLED = os.environ.get("FASTGRPO_DECODE_LINEAR", "1") != "0"
 # FASTGRPO_PDL=0 launches the kernel without programmatic dependent launch
 PDL_ENABLED = os.environ.get("FASTGRPO_PDL", "1") != "0"
 KERNEL_DTYPES = (torch.bfloat16,)
+FUSE_NORM = False
+"""Whether the residual add and RMSNorm run in the linear's prologue or as their own kernel
+before it. On the H100 the prologue made q/k/v 2.6x and gate/up 3.2x slower at 64 rows (the row
+loads that feed elementwise work before the dot are not pipelined like the weight's), so the
+norm stays a kernel of its own (benchmarks/NOTES.md, issue 4)."""
 MAX_ROWS = 256
 """The most rows the kernel takes: a decode step's batch. Beyond it (a prefill) the weight is
 re-read by too many row blocks, and cuBLAS is the better GEMM."""
@@ -198,18 +203,28 @@ if triton is not None:
         tl.store(out_at, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
+SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (the H100 has 227 KB)
+
+
 def pick_config(M: int, N: int, K: int, swiglu: bool) -> dict:
     """Block sizes for an (M, K) x (N, K)^T product: 64 rows per program (the smallest Hopper
     tensor-core tile; 16 or 32 for fewer rows), and the widest column block that still gives at
-    least ~one program per SM, since each program streams its own slice of the weight."""
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    least ~one program per SM, since each program streams its own slice of the weight; as many
+    pipeline stages (up to 4) as fit the shared-memory budget."""
+    bm = _rows_per_block(M)
     row_blocks = -(-M // bm)
     bn = 16
     for wider in (32, 64, 128):
         if row_blocks * -(-N // wider) >= 120:
             bn = wider
     bk = 128 if K >= 128 else max(16, 1 << (max(K, 1) - 1).bit_length())
-    return dict(BN=bn, BK=bk, num_warps=4, num_stages=4)
+    stage_bytes = (bm * bk + (2 if swiglu else 1) * bn * bk) * 2
+    stages = max(2, min(4, SHARED_MEMORY_BUDGET // stage_bytes))
+    return dict(BN=bn, BK=bk, num_warps=4, num_stages=stages)
+
+
+def _rows_per_block(M: int) -> int:
+    return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def use_pdl() -> bool:
@@ -250,13 +265,30 @@ def _check(x, residual, norm_weight, weight, bias, swiglu) -> None:
 
 
 def norm_linear_triton(
-    x, residual, norm_weight, eps, weight, bias, swiglu=False, config: dict | None = None
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    bias,
+    swiglu=False,
+    config: dict | None = None,
+    fuse_norm: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `norm_linear_ref`, by one Triton launch. No host sync, so it can be captured in a CUDA
-    graph. `config` overrides `pick_config` (block sizes, warps, stages; for tuning)."""
+    """As `norm_linear_ref`, by Triton: one launch with the norm in the linear's prologue
+    (`fuse_norm`, default FUSE_NORM), else the `add_rms_norm` kernel and then the linear. No host
+    sync, so it can be captured in a CUDA graph. `config` overrides `pick_config` (block sizes,
+    warps, stages; for tuning)."""
     if triton is None:
         raise RuntimeError("the Triton decode linear needs `pip install triton`")
     _check(x, residual, norm_weight, weight, bias, swiglu)
+    if norm_weight is not None and not (FUSE_NORM if fuse_norm is None else fuse_norm):
+        h, new_residual = add_rms_norm_triton(x, residual, norm_weight, eps)
+        return _launch(h, None, None, 0.0, weight, bias, swiglu, config)[0], new_residual
+    return _launch(x, residual, norm_weight, eps, weight, bias, swiglu, config)
+
+
+def _launch(x, residual, norm_weight, eps, weight, bias, swiglu, config):
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -266,7 +298,7 @@ def norm_linear_triton(
     if M == 0 or N == 0:
         return out, new_residual
     cfg = dict(pick_config(M, N, K, swiglu), **(config or {}))
-    bm = cfg.pop("BM", 16 if M <= 16 else 32 if M <= 32 else 64)
+    bm = cfg.pop("BM", _rows_per_block(M))
     pdl = use_pdl()
     launch = dict(launch_pdl=True) if pdl else {}
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm))

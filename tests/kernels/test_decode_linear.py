@@ -5,9 +5,9 @@ path with them.
 The fused linear rounds its input at a different point than the model (x * norm_weight before
 the matmul, 1 / rms after it, where the model rounds the normalised row), so it is held to the
 same distance from a float64 reference as the model's bf16 ops, not to bitwise equality: on a GPU
-within 1.5x of the model's error. Under the interpreter (CPU) the bound is 5x: the 3.9 interpreter
+within 1.5x of the model's error. Under the interpreter (CPU) the bound is 6x: the 3.9 interpreter
 rounds fp32 to bf16 by truncation, which doubles each rounding's error and biases it one way, and
-the SwiGLU epilogue rounds four times in a row (gate, up, silu, product; measured 3.8x). A wrong
+the norm kernel then SwiGLU epilogue round six times in a row (measured up to 5.4x). A wrong
 bias, block offset or weight half gives errors of order 1, far above either bound.
 """
 
@@ -73,12 +73,14 @@ VARIANTS = {
 }
 
 
-INTERPRETER_RATIO = 5.0
+INTERPRETER_RATIO = 6.0
 
 
-def _check_against_float64(args, config=None, ratio=1.5 if ON_GPU else INTERPRETER_RATIO):
+def _check_against_float64(
+    args, config=None, ratio=1.5 if ON_GPU else INTERPRETER_RATIO, fuse_norm=None
+):
     x, residual = args[0], args[1]
-    out, new_residual = norm_linear_triton(*args, config=config)
+    out, new_residual = norm_linear_triton(*args, config=config, fuse_norm=fuse_norm)
     want, want_residual = norm_linear_ref(*args)
     exact = _exact(*args)
     assert out.shape == want.shape and out.dtype == BF16
@@ -94,10 +96,14 @@ def _check_against_float64(args, config=None, ratio=1.5 if ON_GPU else INTERPRET
         assert bool((gap <= torch.finfo(BF16).eps * want_residual.double().abs()).all())
 
 
+@pytest.mark.parametrize("fuse_norm", [True, False], ids=["norm-in-prologue", "norm-kernel"])
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
 @pytest.mark.parametrize("M,K,N", [(1, 48, 40), (5, 136, 19), (37, 64, 72)])
-def test_fused_linear_is_as_accurate_as_the_models_ops(M, K, N, variant):
-    _check_against_float64(_inputs(M, K, N, seed=M + K + N, **VARIANTS[variant]))
+def test_fused_linear_is_as_accurate_as_the_models_ops(M, K, N, variant, fuse_norm):
+    if fuse_norm and not VARIANTS[variant]["norm"]:
+        pytest.skip("no norm to fuse")
+    args = _inputs(M, K, N, seed=M + K + N, **VARIANTS[variant])
+    _check_against_float64(args, fuse_norm=fuse_norm)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +114,8 @@ def test_fused_linear_is_as_accurate_as_the_models_ops(M, K, N, variant):
 def test_fused_linear_blocks_split_rows_columns_and_k_the_same_way(config):
     # 37 rows over row blocks of 16 or 32, K = 100 with a ragged last block, N not a multiple
     args = _inputs(37, 100, 45, seed=3, residual=True, norm=True, bias=True, swiglu=True)
-    _check_against_float64(args, config=config)
+    _check_against_float64(args, config=config, fuse_norm=True)
+    _check_against_float64(args, config=config, fuse_norm=False)
 
 
 def test_fused_linear_reads_strided_rows_and_a_packed_weights_halves():
@@ -311,4 +318,6 @@ def test_bf16_fused_linear_at_real_shapes_is_as_accurate_as_torch(shape, M):
     K, N, bias, swiglu = REAL[shape]
     norm = shape.endswith(("qkv", "gate-up"))
     args = _inputs(M, K, N, seed=M + K, residual=norm, norm=norm, bias=bias, swiglu=swiglu)
-    _check_against_float64(args)
+    _check_against_float64(args, fuse_norm=False)
+    if norm:
+        _check_against_float64(args, fuse_norm=True)
