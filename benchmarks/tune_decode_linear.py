@@ -1,11 +1,11 @@
 """The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode_linear.py`) at
-several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul), and
-the residual add + RMSNorm in the linear's prologue against the add_rms_norm kernel before it.
+several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul). Both
+sides run the add_rms_norm kernel before q/k/v and gate/up, so the difference is the linear (and,
+for gate/up, the SiLU * up kernel that the kernel's epilogue replaces).
 
 Each op is timed as it runs in a decode step: 24 calls (one per layer, each with its own weights, so
 nothing stays in L2 between calls) captured in one CUDA graph, the graph replayed; the time per call
-is the replay time over 24. Both with and without programmatic dependent launch (PDL) for the
-default configuration. Prints a table, then one JSON line. Run on a CUDA GPU:
+is the replay time over 24. Prints a table, then one JSON line. Run on a CUDA GPU:
     python benchmarks/tune_decode_linear.py [--rows 64 256] [--quick]
 """
 
@@ -74,18 +74,12 @@ def unfused(x, residual, layer, swiglu):
     return out
 
 
-def fused(x, residual, layer, swiglu, config, fuse_norm=None):
-    return decode_linear.norm_linear_triton(
-        x,
-        residual,
-        layer["norm_weight"],
-        1e-6,
-        layer["weight"],
-        layer["bias"],
-        swiglu,
-        config,
-        fuse_norm,
-    )[0]
+def kernel(x, residual, layer, swiglu, config):
+    """The packed decode path with the Triton linear: add_rms_norm kernel, then the kernel."""
+    h = x
+    if layer["norm_weight"] is not None:
+        h, _ = add_rms_norm_triton(x, residual, layer["norm_weight"], 1e-6)
+    return decode_linear.linear_triton(h, layer["weight"], layer["bias"], swiglu, config)
 
 
 def time_per_call(step, replays=50) -> float:
@@ -122,20 +116,11 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
     row["unfused_us"] = time_per_call(lambda i: unfused(x, residual, layers[i], swiglu))
 
     def run(config):
-        return time_per_call(lambda i: fused(x, residual, layers[i], swiglu, config))
+        return time_per_call(lambda i: kernel(x, residual, layers[i], swiglu, config))
 
-    for pdl in (True, False):
-        decode_linear.PDL_ENABLED = pdl
-        row["default_us" if pdl else "default_no_pdl_us"] = run(None)
-    decode_linear.PDL_ENABLED = True
+    row["kernel_us"] = run(None)
     row["default"] = decode_linear.pick_config(M, N, K, swiglu)
-    if norm:  # the norm in the linear's prologue, with and without the residual add
-        row["norm_in_prologue_us"] = time_per_call(
-            lambda i: fused(x, residual, layers[i], swiglu, None, fuse_norm=True)
-        )
-        row["norm_in_prologue_no_residual_us"] = time_per_call(
-            lambda i: fused(x, None, layers[i], swiglu, None, fuse_norm=True)
-        )
+    row["taken"] = decode_linear.takes(x, layers[0]["weight"], layers[0]["bias"])
     sweep = []
     for config in [] if quick else CONFIGS:
         try:
@@ -161,16 +146,10 @@ def main():
             row = measure_op(name, M, args.quick, bandwidth)
             results.append(row)
             best = f"{row['best_us']:7.2f} {row['best']}" if "best" in row else ""
-            prologue = (
-                f"  norm in prologue {row['norm_in_prologue_us']:6.2f} (no residual "
-                f"{row['norm_in_prologue_no_residual_us']:6.2f})"
-                if "norm_in_prologue_us" in row
-                else ""
-            )
+            taken = "taken" if row["taken"] else "cuBLAS kept"
             print(
-                f"{name:<13} M={M:<4} floor {row['floor_us']:6.2f} us  unfused "
-                f"{row['unfused_us']:7.2f}  fused {row['default_us']:7.2f} (no PDL "
-                f"{row['default_no_pdl_us']:7.2f}){prologue}  best {best}",
+                f"{name:<13} M={M:<4} floor {row['floor_us']:6.2f} us  cuBLAS path "
+                f"{row['unfused_us']:7.2f}  kernel {row['kernel_us']:7.2f} ({taken})  best {best}",
                 flush=True,
             )
             torch.cuda.empty_cache()

@@ -322,10 +322,7 @@ class Attention(nn.Module):
         self.qkv: PackedLinears | None = None  # set by Transformer.pack_projections
 
     def forward(self, x, cos, sin, attend: Attend, fused: bool = False) -> torch.Tensor:
-        if fused and self.qkv is not None and self.qkv.intact():
-            q, k, v = self.qkv(x)  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D): views of one GEMM
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return self.o_proj(self.attend_projected(q, k, v, cos, sin, attend, fused))  # (T, H)
 
     def attend_projected(self, q, k, v, cos, sin, attend: Attend, fused: bool) -> torch.Tensor:
@@ -363,10 +360,7 @@ class MLP(nn.Module):
         self.gate_up: PackedLinears | None = None  # set by Transformer.pack_projections
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused and self.gate_up is not None and self.gate_up.intact():
-            gate, up = self.gate_up(x)  # (T, I) each: views of one GEMM
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)  # (T, I) each
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (T, I) each
         return self.down_proj(silu_mul(gate, up) if fused else F.silu(gate) * up)  # (T, H)
 
 
@@ -386,21 +380,22 @@ class DecoderLayer(nn.Module):
         """The inference path: x is the previous layer's MLP output (the embeddings, with residual
         None, in layer 0) and residual the stream it is still to be added to; each add is fused
         into the norm after it. Returns this layer's (MLP output, residual), (T, H) each."""
-        if self.takes_decode_linears(x):
-            return self.forward_decode(x, residual, cos, sin, attend)
+        if self.is_packed():
+            return self.forward_packed(x, residual, cos, sin, attend)
         h, residual = self.input_layernorm.add_and_norm(x, residual)  # (T, H) each
         x = self.self_attn(h, cos, sin, attend, fused=True)  # (T, H)
         h, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(h, fused=True), residual
 
-    def takes_decode_linears(self, x: torch.Tensor) -> bool:
-        """A decode batch (`decode_linear.applies`) on packed projections."""
+    def is_packed(self) -> bool:
+        """q/k/v and gate/up are packed (`Transformer.pack_projections`) and still intact."""
         packs = (self.self_attn.qkv, self.mlp.gate_up)
-        return decode_linear.applies(x) and all(p is not None and p.intact() for p in packs)
+        return all(p is not None and p.intact() for p in packs)
 
-    def forward_decode(self, x, residual, cos, sin, attend: Attend):
-        """`forward_fused` for a decode batch in four linear kernels: residual add + norm + q/k/v,
-        o_proj, residual add + norm + gate/up + SiLU * up, down_proj."""
+    def forward_packed(self, x, residual, cos, sin, attend: Attend):
+        """`forward_fused` over packed projections: residual add + norm, one q/k/v GEMM, o_proj,
+        residual add + norm, one gate/up GEMM with SiLU * up, down_proj. At decode batch sizes
+        `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, residual = decode_linear.norm_linear(
