@@ -1,7 +1,8 @@
 """The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode_linear.py`) at
 several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul). Both
 sides run the add_rms_norm kernel before q/k/v and gate/up, so the difference is the linear (and,
-for gate/up, the SiLU * up kernel that the kernel's epilogue replaces).
+for gate/up, the SiLU * up kernel that the kernel's epilogue replaces). For down_proj also the
+pair (down_proj, the norm that reads it) with down_proj as split-K parts the norm adds up.
 
 Each op is timed as it runs in a decode step: 24 calls (one per layer, each with its own weights, so
 nothing stays in L2 between calls) captured in one CUDA graph, the graph replayed; the time per call
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.kernels import decode_linear  # noqa: E402
-from fastgrpo.kernels.rms_norm import add_rms_norm_triton  # noqa: E402
+from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_triton  # noqa: E402
 from fastgrpo.kernels.swiglu import silu_mul_triton  # noqa: E402
 
 LAYERS = 24
@@ -119,6 +120,21 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
         return time_per_call(lambda i: kernel(x, residual, layers[i], swiglu, config))
 
     row["kernel_us"] = run(None)
+    if name.endswith("down"):  # down_proj and the norm that reads it: cuBLAS vs split-K parts
+        norm_weight = torch.ones(N, device="cuda", dtype=torch.bfloat16)
+        stream = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+        def cublas_then_norm(i):
+            out = F.linear(x, layers[i]["weight"])
+            return add_rms_norm(out, stream, norm_weight, 1e-6)
+
+        def split_then_norm(i):
+            sums = decode_linear.linear_split_sums(x, layers[i]["weight"])
+            return add_rms_norm(sums, stream, norm_weight, 1e-6)
+
+        row["cublas_then_norm_us"] = time_per_call(cublas_then_norm)
+        row["split_sums_then_norm_us"] = time_per_call(split_then_norm)
+        row["split_k"] = decode_linear.split_k_config(M, N, K)
     row["default"] = decode_linear.pick_config(M, N, K, swiglu)
     row["taken"] = decode_linear.takes(x, layers[0]["weight"], layers[0]["bias"])
     sweep = []
@@ -147,9 +163,16 @@ def main():
             results.append(row)
             best = f"{row['best_us']:7.2f} {row['best']}" if "best" in row else ""
             taken = "taken" if row["taken"] else "cuBLAS kept"
+            split = (
+                f"  + norm: cuBLAS {row['cublas_then_norm_us']:6.2f}, split-K parts "
+                f"{row['split_sums_then_norm_us']:6.2f}"
+                if "split_k" in row
+                else ""
+            )
             print(
                 f"{name:<13} M={M:<4} floor {row['floor_us']:6.2f} us  cuBLAS path "
-                f"{row['unfused_us']:7.2f}  kernel {row['kernel_us']:7.2f} ({taken})  best {best}",
+                f"{row['unfused_us']:7.2f}  kernel {row['kernel_us']:7.2f} ({taken}){split}  "
+                f"best {best}",
                 flush=True,
             )
             torch.cuda.empty_cache()

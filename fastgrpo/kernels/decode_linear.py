@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
-from fastgrpo.kernels.rms_norm import add_rms_norm
+from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
@@ -56,8 +56,11 @@ MAX_WEIGHT_ELEMENTS = 9 * 2**20
 """The largest weight (packed gate/up counted whole) the kernel takes: the 0.5B gate/up (8.7M)
 won, the 7B o_proj (12.8M) and larger lost to cuBLAS."""
 MAX_K = 1024
-"""The longest reduction the kernel takes: with one program per column block and no split-K, a
-long K leaves too few programs streaming too much (the 0.5B down_proj, K = 4864, lost)."""
+"""The longest reduction the kernel takes in one range: with one program per column block, a
+long K leaves too few programs streaming too much (the 0.5B down_proj, K = 4864, lost). Longer
+ones go to `linear_split_sums` when their reader is a norm (SPLIT_SUMS)."""
+# FASTGRPO_SPLIT_SUMS=0 keeps down_proj on cuBLAS (to compare)
+SPLIT_SUMS = os.environ.get("FASTGRPO_SPLIT_SUMS", "1") != "0"
 
 
 def linear_ref(
@@ -91,7 +94,9 @@ if triton is not None:
         K,
         stride_x,
         stride_w,
+        k_per_split,  # with SPLIT_K: the k range of each program along axis 2 (a multiple of BK)
         HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr,  # store fp32 parts (S, M, N), one per k range, not the sum
         SWIGLU: tl.constexpr,
         EVEN_K: tl.constexpr,
         BM: tl.constexpr,
@@ -109,7 +114,12 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_start = 0
+        k_end = K
+        if SPLIT_K:
+            k_start = tl.program_id(2) * k_per_split
+            k_end = tl.minimum(K, k_start + k_per_split)
+        for k0 in range(k_start, k_end, BK):
             ks = k0 + tl.arange(0, BK)
             if EVEN_K:
                 a_ok = row_ok[:, None]
@@ -140,6 +150,8 @@ if triton is not None:
             silu = tl.math.div_rn(gate, 1.0 + _exp(-gate, LIBDEVICE)).to(dtype).to(tl.float32)
             acc = silu * up
         out_at = out_ptr + rows[:, None] * N + cols[None, :]
+        if SPLIT_K:
+            out_at += tl.program_id(2).to(tl.int64) * M * N
         tl.store(out_at, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -219,7 +231,9 @@ def linear_triton(
         K,
         x.stride(0),
         weight.stride(0),
+        0,
         HAS_BIAS=bias is not None,
+        SPLIT_K=False,
         SWIGLU=swiglu,
         EVEN_K=K % cfg["BK"] == 0,
         BM=bm,
@@ -229,6 +243,88 @@ def linear_triton(
         **cfg,
     )
     return out
+
+
+def split_k_config(M: int, N: int, K: int) -> dict:
+    """Blocks for `linear_split_sums`: 16 columns and 128-wide k steps per program as for o_proj,
+    and the k dim cut into enough ranges for ~2 programs per SM (at most 8 ranges, each at least
+    two k steps)."""
+    cfg = pick_config(M, N, K, swiglu=False)
+    tiles = -(-N // cfg["BN"]) * -(-M // cfg["BM"])
+    steps = -(-K // cfg["BK"])
+    splits = max(1, min(8, -(-264 // tiles), steps // 2))
+    cfg["k_per_split"] = -(-steps // splits) * cfg["BK"]
+    return cfg
+
+
+def linear_split_sums(
+    x: torch.Tensor, weight: torch.Tensor, config: dict | None = None
+) -> SplitSums:
+    """x @ weight.T as fp32 parts over ranges of K (`SplitSums`), for a long-K product at a few
+    rows (the down_proj of a decode step), whose parts the next `add_rms_norm` adds up: the
+    split-K GEMM without a reduction kernel of its own. No host sync."""
+    if triton is None:
+        raise RuntimeError("the Triton decode linear needs `pip install triton`")
+    _check(x, weight, None, False)
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = dict(split_k_config(M, N, K), **(config or {}))
+    bm, k_per_split = cfg.pop("BM"), cfg.pop("k_per_split")
+    if k_per_split % cfg["BK"]:
+        raise ValueError(f"k_per_split {k_per_split} must be a multiple of BK {cfg['BK']}")
+    splits = max(1, triton.cdiv(K, k_per_split))
+    partials = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    if M and N:
+        grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm), splits)
+        _decode_linear_kernel[grid](
+            x,
+            weight,
+            weight,
+            partials,
+            M,
+            N,
+            K,
+            x.stride(0),
+            weight.stride(0),
+            k_per_split,
+            HAS_BIAS=False,
+            SPLIT_K=True,
+            SWIGLU=False,
+            EVEN_K=K % cfg["BK"] == 0,
+            BM=bm,
+            LIBDEVICE=not _interpreting(),
+            DOT_FP32=_interpreting(),
+            enable_fp_fusion=False,
+            **cfg,
+        )
+    return SplitSums(partials, x.dtype)
+
+
+def takes_split_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a product goes to `linear_split_sums`: as `takes`, but for the long reductions that
+    `takes` leaves to cuBLAS (K > MAX_K), without a bias."""
+    return (
+        ENABLED
+        and SPLIT_SUMS
+        and triton is not None
+        and bias is None
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and weight.numel() <= MAX_WEIGHT_ELEMENTS
+        and weight.shape[1] > MAX_K
+        and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in (x, weight))
+    )
+
+
+def linear_to_residual(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | SplitSums:
+    """A product whose only reader is the next `add_rms_norm` (a layer's down_proj): split-K
+    parts where `takes_split_sums`, else `linear`."""
+    if takes_split_sums(x, weight, bias):
+        return linear_split_sums(x, weight)
+    return linear(x, weight, bias)
 
 
 def linear(

@@ -25,6 +25,8 @@ Reference: `add_rms_norm_ref`, written with the model's own `RMSNorm` arithmetic
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
@@ -36,13 +38,33 @@ if triton is not None:
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@dataclass
+class SplitSums:
+    """A product summed over its reduction dim in parts (split-K): `partials` (S, R, H) fp32, whose
+    sum rounded once to `dtype` is the product. `add_rms_norm` takes it as its x, so the parts are
+    added up by the norm kernel that reads them anyway (`decode_linear.linear_split_sums`)."""
+
+    partials: torch.Tensor  # (S, R, H) fp32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partials.shape[1:]
+
+    def total(self) -> torch.Tensor:
+        """(R, H): the sum of the parts rounded to dtype, as a GEMM's fp32 output is."""
+        return self.partials.sum(0).to(self.dtype)
+
+
 def add_rms_norm_ref(
-    x: torch.Tensor,  # (..., H)
+    x: torch.Tensor | SplitSums,  # (..., H)
     residual: torch.Tensor | None,  # (..., H) or None
     weight: torch.Tensor,  # (H,)
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed (..., H), new_residual (..., H)) by PyTorch ops, as the model computes them."""
+    if isinstance(x, SplitSums):
+        x = x.total()
     if residual is not None:
         x = residual + x  # (..., H), the model's `x = x + sublayer(x)`
     x32 = x.float()
@@ -72,20 +94,31 @@ if triton is not None:
         inv_h,  # fp32(1 / H)
         eps,
         HAS_RESIDUAL: tl.constexpr,
+        SPLITS: tl.constexpr,  # 0: x is the rows; S > 0: x is S fp32 parts to sum (SplitSums)
+        stride_split,  # elements between the parts (with SPLITS)
         BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        dtype = res_ptr.dtype.element_ty if SPLITS > 0 else x_ptr.dtype.element_ty
+        if SPLITS > 0:  # the fp32 sum of the parts, rounded once as a GEMM's output
+            total = tl.zeros((BLOCK,), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(
+                    x_ptr + s * stride_split + row * stride_x + cols, mask=ok, other=0.0
+                )
+            x = total.to(dtype)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
             tl.store(new_res_ptr + row * H + cols, x, mask=ok)
         x32 = x.to(tl.float32)
         mean_square = tl.sum(x32 * x32, axis=0) * inv_h
-        normed = (x32 * _rsqrt(mean_square + eps, LIBDEVICE)).to(x_ptr.dtype.element_ty)
+        normed = (x32 * _rsqrt(mean_square + eps, LIBDEVICE)).to(dtype)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         out = w.to(tl.float32) * normed.to(tl.float32)
         tl.store(out_ptr + row * H + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -106,6 +139,8 @@ def add_rms_norm_triton(
     can be captured in a CUDA graph."""
     if triton is None:
         raise RuntimeError("the Triton RMSNorm kernel needs `pip install triton`")
+    if isinstance(x, SplitSums):
+        return _add_rms_norm_split_sums(x, residual, weight, eps)
     H = x.shape[-1]
     if weight.shape != (H,):
         raise ValueError(f"weight must be ({H},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
@@ -144,6 +179,8 @@ def add_rms_norm_triton(
         1.0 / H,
         eps,
         HAS_RESIDUAL=residual is not None,
+        SPLITS=0,
+        stride_split=0,
         BLOCK=block,
         LIBDEVICE=not _interpreting(),
         num_warps=min(16, max(1, block // 256)),
@@ -153,11 +190,57 @@ def add_rms_norm_triton(
     return out, new_residual
 
 
+def _add_rms_norm_split_sums(
+    x: SplitSums, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_triton` for x given as split-K parts: the kernel sums them first."""
+    S, R, H = x.partials.shape
+    if residual is None or residual.shape != (R, H) or residual.dtype != x.dtype:
+        raise ValueError(
+            f"split sums ({R}, {H}) are added to a residual of that shape and dtype {x.dtype}"
+        )
+    if x.partials.dtype != torch.float32 or not x.partials.is_contiguous():
+        raise ValueError("split sums must be contiguous fp32 parts (S, R, H)")
+    if weight.shape != (H,) or weight.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"weight must be ({H},) in {KERNEL_DTYPES}, got {weight.shape}")
+    res_rows = _rows(residual, "residual")
+    out = torch.empty(
+        R, H, dtype=torch.promote_types(weight.dtype, x.dtype), device=res_rows.device
+    )
+    new_residual = torch.empty(R, H, dtype=x.dtype, device=res_rows.device)
+    block = triton.next_power_of_2(H)
+    _add_rms_norm_kernel[(R,)](
+        x.partials,
+        res_rows,
+        weight.contiguous(),
+        out,
+        new_residual,
+        H,
+        res_rows.stride(0),
+        H,
+        1.0 / H,
+        eps,
+        HAS_RESIDUAL=True,
+        SPLITS=S,
+        stride_split=R * H,
+        BLOCK=block,
+        LIBDEVICE=not _interpreting(),
+        num_warps=min(16, max(1, block // 256)),
+        enable_fp_fusion=False,
+        enable_reflect_ftz=False,
+    )
+    return out, new_residual
+
+
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual): the kernel on CUDA tensors of the kernel's
-    dtypes, else the reference."""
+    dtypes, else the reference. x may be `SplitSums` (then the kernel adds up the parts)."""
+    if isinstance(x, SplitSums):
+        if triton is not None and x.partials.is_cuda:
+            return _add_rms_norm_split_sums(x, residual, weight, eps)
+        return add_rms_norm_ref(x, residual, weight, eps)
     if triton is not None and x.is_cuda and x.dtype in KERNEL_DTYPES:
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

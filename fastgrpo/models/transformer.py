@@ -395,7 +395,8 @@ class DecoderLayer(nn.Module):
     def forward_packed(self, x, residual, cos, sin, attend: Attend):
         """`forward_fused` over packed projections: residual add + norm, one q/k/v GEMM, o_proj,
         residual add + norm, one gate/up GEMM with SiLU * up, down_proj. At decode batch sizes
-        `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue)."""
+        `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue) and
+        may return down_proj as split-K parts (`SplitSums`) for the next norm to add up."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, residual = decode_linear.norm_linear(
@@ -407,7 +408,9 @@ class DecoderLayer(nn.Module):
         act, residual = decode_linear.norm_linear(
             x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
         )  # (T, I), (T, H)
-        return decode_linear.linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        # down_proj's only reader is the next norm, which can add up split-K parts itself
+        down = decode_linear.linear_to_residual(act, mlp.down_proj.weight, mlp.down_proj.bias)
+        return down, residual
 
 
 class Decoder(nn.Module):

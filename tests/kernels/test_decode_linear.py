@@ -16,10 +16,10 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import decode_linear, rope
+from fastgrpo.kernels import decode_linear, rms_norm, rope
 from fastgrpo.kernels.decode_linear import linear_ref, linear_triton
 from fastgrpo.kernels.kv_write import write_kv_ref
-from fastgrpo.kernels.rms_norm import add_rms_norm_ref
+from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm_ref
 from fastgrpo.models import transformer
 from fastgrpo.models.attention import PackedCausalAttention
 from fastgrpo.models.transformer import ModelConfig, RotaryTable, Transformer
@@ -121,6 +121,44 @@ def test_kernel_is_taken_only_where_it_measured_faster_than_cublas():
     long_k = _randn(64, 4864, seed=3)  # the 0.5B down_proj
     assert not decode_linear.takes(long_k, _randn(896, 4864, seed=4), None)
     assert not decode_linear.takes(x.float(), w.float(), None)
+
+
+@pytest.mark.parametrize(
+    "M,K,N,config",
+    [(5, 300, 19, None), (37, 200, 45, dict(BM=16, BN=16, BK=32, k_per_split=64))],
+    ids=["default", "4-ranges"],
+)
+def test_split_sums_add_up_to_the_product(M, K, N, config):
+    x, weight, _, _ = _inputs(M, K, N, seed=K, bias=False, swiglu=False)
+    sums = decode_linear.linear_split_sums(x, weight, config)
+    if config is not None:  # K = 200 in k ranges of 64: 4 parts, the last one short
+        assert sums.partials.shape == (4, M, N)
+    assert sums.partials.dtype == torch.float32 and sums.dtype == BF16
+    exact = _exact(x, weight, None, False)
+    # the parts are fp32 sums of exact products: their total is within fp32 error of float64
+    assert (sums.partials.double().sum(0) - exact).abs().max() <= 1e-5 * exact.abs().max()
+    own = _relative_error(linear_ref(x, weight, None), exact)
+    assert _relative_error(sums.total(), exact) <= 1.5 * own + 1e-6
+
+
+@pytest.mark.parametrize("H", [24, 896])
+def test_norm_kernel_adds_up_split_sums_before_the_residual_add(H):
+    parts = _randn(3, 7, H, seed=H, dtype=torch.float32)
+    sums = SplitSums(parts, BF16)
+    residual = _randn(7, H, seed=H + 1, scale=4.0)
+    weight = _randn(H, seed=H + 2, scale=0.2) + 1
+    normed, new_residual = rms_norm.add_rms_norm_triton(sums, residual, weight, 1e-6)
+    want_normed, want_residual = rms_norm.add_rms_norm_ref(sums, residual, weight, 1e-6)
+    assert torch.equal(want_residual, residual + parts.sum(0).to(BF16))  # the model's rounding
+    # a different fp32 summation order, and on the interpreter truncating roundings: one bf16 ulp
+    # of the sum can become a few after the residual add, the norm and the weight
+    gap = (normed.double() - want_normed.double()).abs()
+    assert gap.max() <= 4 * torch.finfo(BF16).eps * want_normed.double().abs().max()
+    assert (new_residual.double() - want_residual.double()).abs().max() <= (
+        2 * torch.finfo(BF16).eps * want_residual.double().abs().max()
+    )
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm.add_rms_norm_triton(sums, None, weight, 1e-6)
 
 
 def test_norm_linear_is_the_norm_then_the_linear():
@@ -248,6 +286,18 @@ def decode_kernels_here(monkeypatch):
         lambda x, w, b: x.dtype == BF16 and x.shape[0] <= decode_linear.MAX_ROWS,
     )
     monkeypatch.setattr(decode_linear, "linear_triton", counted)
+    split_launcher = decode_linear.linear_split_sums
+
+    def counted_split(x, weight, config=None):
+        calls.append("split")
+        return split_launcher(x, weight, dict(BK=16, k_per_split=32))  # 80 = 32 + 32 + 16
+
+    monkeypatch.setattr(
+        decode_linear,
+        "takes_split_sums",
+        lambda x, w, b: b is None and x.dtype == BF16 and x.shape[0] <= decode_linear.MAX_ROWS,
+    )
+    monkeypatch.setattr(decode_linear, "linear_split_sums", counted_split)
     return calls
 
 
@@ -270,8 +320,8 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
         assert not decode_kernels_here
         fused = model(ids, positions, attend, fused_ops=True)
         want = exact(ids, positions, attend)
-    # per layer: q/k/v, o_proj, gate/up + SiLU (the one with swiglu), down_proj
-    assert decode_kernels_here == [False, False, True, False] * LLAMA_LIKE.num_layers
+    # per layer: q/k/v, o_proj, gate/up + SiLU (the one with swiglu), down_proj as split sums
+    assert decode_kernels_here == [False, False, True, "split"] * LLAMA_LIKE.num_layers
     own = (plain.double() - want).abs()
     err = (fused.double() - want).abs()
     assert err.mean() <= 1.5 * own.mean() and err.max() <= 2 * own.max()
@@ -306,3 +356,27 @@ REAL = {
 def test_bf16_decode_linear_at_real_shapes_is_as_accurate_as_torch(shape, M):
     K, N, bias, swiglu = REAL[shape]
     _check_against_float64(_inputs(M, K, N, seed=M + K, bias=bias, swiglu=swiglu))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize("K,N", [(4864, 896), (1536, 576)], ids=["0.5B-down", "135M-down"])
+def test_bf16_split_sums_at_real_shapes_feed_the_norm_as_the_product_would(K, N, M):
+    x, weight, _, _ = _inputs(M, K, N, seed=M + K, bias=False, swiglu=False)
+    assert decode_linear.takes_split_sums(x, weight, None)
+    sums = decode_linear.linear_to_residual(x, weight, None)
+    exact = _exact(x, weight, None, False)
+    own = _relative_error(linear_ref(x, weight, None), exact)
+    assert _relative_error(sums.total(), exact) <= 1.5 * own + 1e-6
+    residual = _randn(M, N, seed=1, scale=4.0)
+    norm_weight = _randn(N, seed=2, scale=0.2) + 1
+    normed, new_residual = rms_norm.add_rms_norm(sums, residual, norm_weight, 1e-6)
+    want_normed, want_residual = rms_norm.add_rms_norm_ref(sums, residual, norm_weight, 1e-6)
+    # the fp32 sum of the parts in the kernel's order and in torch's: one bf16 ulp apart at most
+    gap = (new_residual.double() - want_residual.double()).abs()
+    assert bool((gap <= torch.finfo(BF16).eps * want_residual.double().abs()).all())
+    assert (gap == 0).double().mean() >= 0.99
+    assert (normed.double() - want_normed.double()).abs().max() <= (
+        2 * torch.finfo(BF16).eps * want_normed.double().abs().max()
+    )
