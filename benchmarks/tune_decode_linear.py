@@ -135,6 +135,24 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
         row["cublas_then_norm_us"] = time_per_call(cublas_then_norm)
         row["split_sums_then_norm_us"] = time_per_call(split_then_norm)
         row["split_k"] = decode_linear.split_k_config(M, N, K)
+        split_sweep = []
+        for bn, k_split, stages in itertools.product((16, 32, 64, 128), (256, 512, 1024), (3, 5)):
+            config = dict(BN=bn, BK=128, k_per_split=k_split, num_stages=stages)
+
+            def split_config_then_norm(i, config=config):
+                sums = decode_linear.linear_split_sums(x, layers[i]["weight"], config)
+                return add_rms_norm(sums, stream, norm_weight, 1e-6)
+
+            try:
+                us = time_per_call(split_config_then_norm)
+            except Exception as error:  # out of shared memory: skip it
+                print(f"  {config}: {type(error).__name__}", file=sys.stderr)
+                continue
+            split_sweep.append(dict(config=config, us=us))
+        if split_sweep and not quick:
+            best = min(split_sweep, key=lambda s: s["us"])
+            row["split_best"], row["split_best_us"] = best["config"], best["us"]
+            row["split_sweep"] = split_sweep
     row["default"] = decode_linear.pick_config(M, N, K, swiglu)
     row["taken"] = decode_linear.takes(x, layers[0]["weight"], layers[0]["bias"])
     sweep = []
@@ -169,6 +187,8 @@ def main():
                 if "split_k" in row
                 else ""
             )
+            if "split_best" in row:
+                split += f" (best split {row['split_best_us']:6.2f} {row['split_best']})"
             print(
                 f"{name:<13} M={M:<4} floor {row['floor_us']:6.2f} us  cuBLAS path "
                 f"{row['unfused_us']:7.2f}  kernel {row['kernel_us']:7.2f} ({taken}){split}  "
