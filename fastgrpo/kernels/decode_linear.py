@@ -7,8 +7,11 @@ What:
   result is silu(gate) * up, (M, I);
 - `norm_linear(x, residual, norm_weight, eps, weight, bias, swiglu=False)` returns
   (out, new_residual): the residual add + RMSNorm (the `rms_norm` kernel), then `linear`.
-Each uses the Triton kernel where it measured faster than cuBLAS (`takes`), else F.linear
-(+ the `swiglu` kernel), so a caller may use them for any shape.
+- `linear_to_residual(x, weight, bias)`: for a product whose only reader is the next residual
+  add + RMSNorm (a layer's down_proj): with a long K, `linear_split_sums` gives fp32 parts over k
+  ranges (`rms_norm.SplitSums`) that the norm kernel sums, a split-K GEMM with no reduction kernel.
+Each uses a Triton kernel where it measured faster than cuBLAS (`takes`, `takes_split_sums`), else
+F.linear (+ the `swiglu` kernel), so a caller may use them for any shape.
 
 Why: at 64 rows each weight of a 0.5B layer is read in a few microseconds of mostly fixed cost.
 On the H100 cuBLAS ran o_proj (896 x 896) as a split-K GEMM plus a reduction, 8.6 us for 1.6 MB
@@ -16,8 +19,9 @@ On the H100 cuBLAS ran o_proj (896 x 896) as a split-K GEMM plus a reduction, 8.
 Here each program owns a block of output columns for all rows and streams its slice of the weight
 (and, for gate/up, the matching up slice), so no split-K, and the SiLU is the epilogue.
 `benchmarks/tune_decode_linear.py` measured where it wins: 64 rows, weights of at most ~9M elements
-with K <= 1024 (q/k/v, o_proj, gate/up of the 0.5B shape); cuBLAS stays faster for down_proj
-(K = 4864), at 256 rows and for every 7B linear.
+with K <= 1024 (q/k/v, o_proj, gate/up of the 0.5B shape), and the 0.5B down_proj (K = 4864) as
+split-K parts (8.5 us with the norm that reads it, against 10.7 for cuBLAS + norm); cuBLAS stays
+faster at 256 rows and for every 7B linear.
 
 Tried and left out (same script, H200): the residual add + RMSNorm in the linear's prologue was
 2.6-3.2x slower than the norm kernel + linear (the row loads that feed elementwise work before the
