@@ -379,7 +379,8 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x, residual, cos, sin, attend: Attend):
         """The inference path: x is the previous layer's MLP output (the embeddings, with residual
         None, in layer 0) and residual the stream it is still to be added to; each add is fused
-        into the norm after it. Returns this layer's (MLP output, residual), (T, H) each."""
+        into the norm after it. Returns this layer's (MLP output, residual), (T, H) each; the MLP
+        output may be `SplitSums` (see `forward_packed`), which every norm's add takes."""
         if self.is_packed():
             return self.forward_packed(x, residual, cos, sin, attend)
         h, residual = self.input_layernorm.add_and_norm(x, residual)  # (T, H) each
