@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_rollout import copy_bandwidth  # noqa: E402
+
 from fastgrpo.kernels import decode_linear  # noqa: E402
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_triton  # noqa: E402
 from fastgrpo.kernels.swiglu import silu_mul_triton  # noqa: E402
@@ -208,22 +210,6 @@ def main():
             }
         )
     )
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
-    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 2 * 20 / (start.elapsed_time(end) / 1000)
 
 
 if __name__ == "__main__":

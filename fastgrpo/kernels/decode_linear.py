@@ -49,7 +49,8 @@ from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
     import triton.language as tl
-    from triton.language.extra import libdevice
+
+    from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 
 # FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
 ENABLED = os.environ.get("FASTGRPO_DECODE_LINEAR", "1") != "0"
@@ -79,13 +80,6 @@ def linear_ref(
 
 
 if triton is not None:
-
-    @triton.jit
-    def _exp(x, LIBDEVICE: tl.constexpr):
-        if LIBDEVICE:
-            return libdevice.exp(x)
-        else:  # the interpreter has no libdevice
-            return tl.exp(x)
 
     @triton.jit
     def _decode_linear_kernel(
@@ -164,15 +158,19 @@ def pick_config(M: int, N: int, K: int, swiglu: bool) -> dict:
     output columns per program with 128-wide k steps for q/k/v and o_proj, 32 columns with 64-wide
     steps for gate/up (two weight tiles per step), 5 pipeline stages; 16 or 32 rows per program
     when there are that few."""
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    bm = _rows_per_block(M)
     bn, bk = (32, 64) if swiglu else (16, 128)
     bk = min(bk, max(16, triton.next_power_of_2(K)))
     return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=5)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel runs this product: bf16 on CUDA, unit last strides, a decode batch of
-    at most MAX_ROWS rows and a weight of the sizes where it beat cuBLAS."""
+def _rows_per_block(M: int) -> int:
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def _decode_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 on CUDA, unit last strides, at most MAX_ROWS rows and a weight of at most
+    MAX_WEIGHT_ELEMENTS: the products where a kernel of this module can beat cuBLAS."""
     given = [x, weight] if bias is None else [x, weight, bias]
     return (
         ENABLED
@@ -181,9 +179,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
         and x.dim() == 2
         and x.shape[0] <= MAX_ROWS
         and weight.numel() <= MAX_WEIGHT_ELEMENTS
-        and weight.shape[1] <= MAX_K
         and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in given)
     )
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel runs this product: a decode batch (`_decode_batch`) with K <= MAX_K."""
+    return _decode_batch(x, weight, bias) and weight.shape[1] <= MAX_K
 
 
 def _check(x, weight, bias, swiglu) -> None:
@@ -223,8 +225,17 @@ def linear_triton(
     if M == 0 or N == 0:
         return out
     cfg = dict(pick_config(M, N, K, swiglu), **(config or {}))
+    _launch(x, weight, bias, out, N, swiglu, 0, 1, cfg)
+    return out
+
+
+def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
+    """The kernel over (N / BN, M / BM, splits) programs, cfg as `pick_config` gives it;
+    k_per_split 0: one k range, the sum stored in out."""
+    M, K = x.shape
+    cfg = dict(cfg)
     bm = cfg.pop("BM")
-    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm))
+    grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm), splits)
     _decode_linear_kernel[grid](
         x,
         weight,
@@ -235,9 +246,9 @@ def linear_triton(
         K,
         x.stride(0),
         weight.stride(0),
-        0,
+        k_per_split,
         HAS_BIAS=bias is not None,
-        SPLIT_K=False,
+        SPLIT_K=k_per_split > 0,
         SWIGLU=swiglu,
         EVEN_K=K % cfg["BK"] == 0,
         BM=bm,
@@ -246,14 +257,13 @@ def linear_triton(
         enable_fp_fusion=False,
         **cfg,
     )
-    return out
 
 
 def split_k_config(M: int, N: int, K: int) -> dict:
     """Blocks for `linear_split_sums`, the best of a sweep on the H100 for the 0.5B down_proj at
     64 rows (tune_decode_linear.py): 64 output columns per program, k ranges of 1024 (8 steps of
     128; more when there would be over 8 ranges), 5 stages."""
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    bm = _rows_per_block(M)
     steps = -(-K // 128)
     return dict(
         BM=bm, BN=64, BK=128, num_warps=4, num_stages=5, k_per_split=max(8, -(-steps // 8)) * 128
@@ -272,34 +282,13 @@ def linear_split_sums(
     M, K = x.shape
     N = weight.shape[0]
     cfg = dict(split_k_config(M, N, K), **(config or {}))
-    bm, k_per_split = cfg.pop("BM"), cfg.pop("k_per_split")
+    k_per_split = cfg.pop("k_per_split")
     if k_per_split % cfg["BK"]:
         raise ValueError(f"k_per_split {k_per_split} must be a multiple of BK {cfg['BK']}")
     splits = max(1, triton.cdiv(K, k_per_split))
     partials = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if M and N:
-        grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm), splits)
-        _decode_linear_kernel[grid](
-            x,
-            weight,
-            weight,
-            partials,
-            M,
-            N,
-            K,
-            x.stride(0),
-            weight.stride(0),
-            k_per_split,
-            HAS_BIAS=False,
-            SPLIT_K=True,
-            SWIGLU=False,
-            EVEN_K=K % cfg["BK"] == 0,
-            BM=bm,
-            LIBDEVICE=not _interpreting(),
-            DOT_FP32=_interpreting(),
-            enable_fp_fusion=False,
-            **cfg,
-        )
+        _launch(x, weight, None, partials, N, False, k_per_split, splits, cfg)
     return SplitSums(partials, x.dtype)
 
 
@@ -307,16 +296,7 @@ def takes_split_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """Whether a product goes to `linear_split_sums`: as `takes`, but for the long reductions that
     `takes` leaves to cuBLAS (K > MAX_K), without a bias."""
     return (
-        ENABLED
-        and SPLIT_SUMS
-        and triton is not None
-        and bias is None
-        and x.is_cuda
-        and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
-        and weight.numel() <= MAX_WEIGHT_ELEMENTS
-        and weight.shape[1] > MAX_K
-        and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in (x, weight))
+        SPLIT_SUMS and bias is None and _decode_batch(x, weight, None) and weight.shape[1] > MAX_K
     )
 
 

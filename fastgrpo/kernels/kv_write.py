@@ -59,10 +59,9 @@ def _rows(t: torch.Tensor) -> int | None:
     return None
 
 
-def write_kv_triton(comp_k, comp_v, k, v, slot) -> None:
-    """As `write_kv_ref`, by one Triton launch with one program per row."""
-    if triton is None:
-        raise RuntimeError("the Triton KV write needs `pip install triton`")
+def check_cache_write(comp_k, comp_v, k, v) -> None:
+    """Shapes, layout and dtypes a kernel writing k, v (B, nkv, d) into the contiguous completion
+    caches (B, Tc, nkv, d) assumes; a clear error otherwise."""
     B, Tc, nkv, d = comp_k.shape
     if comp_v.shape != comp_k.shape or k.shape != (B, nkv, d) or v.shape != (B, nkv, d):
         raise ValueError(
@@ -73,6 +72,14 @@ def write_kv_triton(comp_k, comp_v, k, v, slot) -> None:
         raise ValueError("the caches must be contiguous")
     if len({comp_k.dtype, comp_v.dtype, k.dtype, v.dtype}) != 1:
         raise ValueError("caches and k, v must share one dtype")
+
+
+def write_kv_triton(comp_k, comp_v, k, v, slot) -> None:
+    """As `write_kv_ref`, by one Triton launch with one program per row."""
+    if triton is None:
+        raise RuntimeError("the Triton KV write needs `pip install triton`")
+    check_cache_write(comp_k, comp_v, k, v)
+    B, Tc, nkv, d = comp_k.shape
     stride_k, stride_v = _rows(k), _rows(v)
     if stride_k is None or stride_v is None:
         raise ValueError("each row of k and v (nkv x d) must be contiguous")

@@ -166,28 +166,34 @@ def add_rms_norm_triton(
     R = x_rows.shape[0]
     if R == 0 or H == 0:
         return out, new_residual
+    _launch(x_rows, x_rows.stride(0), 0, 0, res_rows, weight, out, new_residual, eps, residual)
+    return out, new_residual
+
+
+def _launch(x, stride_x, splits, stride_split, res_rows, weight, out, new_residual, eps, residual):
+    """One program per row of res_rows (R, H); x is the rows, or with splits > 0 the parts."""
+    R, H = res_rows.shape
     block = triton.next_power_of_2(H)
     _add_rms_norm_kernel[(R,)](
-        x_rows,
+        x,
         res_rows,
         weight.contiguous(),
         out,
         new_residual,
-        x_rows.stride(0),
+        stride_x,
         res_rows.stride(0),
         H,
         1.0 / H,
         eps,
         HAS_RESIDUAL=residual is not None,
-        SPLITS=0,
-        stride_split=0,
+        SPLITS=splits,
+        stride_split=stride_split,
         BLOCK=block,
         LIBDEVICE=not _interpreting(),
         num_warps=min(16, max(1, block // 256)),
         enable_fp_fusion=False,
         enable_reflect_ftz=False,  # rsqrt without flush-to-zero, as nvcc compiles torch's
     )
-    return out, new_residual
 
 
 def _add_rms_norm_split_sums(
@@ -208,27 +214,7 @@ def _add_rms_norm_split_sums(
         R, H, dtype=torch.promote_types(weight.dtype, x.dtype), device=res_rows.device
     )
     new_residual = torch.empty(R, H, dtype=x.dtype, device=res_rows.device)
-    block = triton.next_power_of_2(H)
-    _add_rms_norm_kernel[(R,)](
-        x.partials,
-        res_rows,
-        weight.contiguous(),
-        out,
-        new_residual,
-        H,
-        res_rows.stride(0),
-        H,
-        1.0 / H,
-        eps,
-        HAS_RESIDUAL=True,
-        SPLITS=S,
-        stride_split=R * H,
-        BLOCK=block,
-        LIBDEVICE=not _interpreting(),
-        num_warps=min(16, max(1, block // 256)),
-        enable_fp_fusion=False,
-        enable_reflect_ftz=False,
-    )
+    _launch(x.partials, H, S, R * H, res_rows, weight, out, new_residual, eps, residual)
     return out, new_residual
 
 
@@ -239,7 +225,7 @@ def add_rms_norm(
     dtypes, else the reference. x may be `SplitSums` (then the kernel adds up the parts)."""
     if isinstance(x, SplitSums):
         if triton is not None and x.partials.is_cuda:
-            return _add_rms_norm_split_sums(x, residual, weight, eps)
+            return add_rms_norm_triton(x, residual, weight, eps)
         return add_rms_norm_ref(x, residual, weight, eps)
     if triton is not None and x.is_cuda and x.dtype in KERNEL_DTYPES:
         return add_rms_norm_triton(x, residual, weight, eps)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels.kv_write import write_kv_ref
+from fastgrpo.kernels.kv_write import check_cache_write, write_kv_ref
 from fastgrpo.kernels.lm_head_stats import triton
 
 if triton is not None:
@@ -186,16 +186,9 @@ def apply_rope_qk_triton(q, k, cos, sin) -> None:
 
 def rope_write_kv_triton(q, k, v, cos, sin, comp_k, comp_v, slot) -> None:
     """As `rope_write_kv_ref`, by one Triton launch (one program per row)."""
-    B, Tc, nkv, d = comp_k.shape
-    if comp_v.shape != comp_k.shape or k.shape != (B, nkv, d) or v.shape != (B, nkv, d):
-        raise ValueError(
-            f"caches (B, Tc, nkv, d) and k, v (B, nkv, d) expected, got {tuple(comp_k.shape)}, "
-            f"{tuple(comp_v.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if not (comp_k.is_contiguous() and comp_v.is_contiguous()) or v.stride(-1) != 1:
-        raise ValueError("the caches must be contiguous and v needs unit stride on its last dim")
-    if len({comp_k.dtype, comp_v.dtype, k.dtype, v.dtype}) != 1:
-        raise ValueError("caches and k, v must share one dtype")
+    check_cache_write(comp_k, comp_v, k, v)
+    if v.stride(-1) != 1:
+        raise ValueError("v needs unit stride on its last dim")
     _launch(q, k, cos, sin, (v, comp_k, comp_v, slot))
 
 

@@ -33,3 +33,18 @@ LOSS_VARIANTS = [
 
 def variant_id(settings):
     return "-".join(f"{k}={v}" for k, v in settings.items())
+
+
+def random_model(config, dtype, seed: int = 0):
+    """A native Transformer of `config` on DEVICE with weights of O(1) logits; norm weights near 1
+    but not equal to it, so they are exercised."""
+    from fastgrpo.models.transformer import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data = 1 + 0.2 * torch.randn_like(p)
+        else:
+            p.data = 0.1 * torch.randn_like(p)
+    return model.to(dtype=dtype, device=DEVICE)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
+from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
 
 from fastgrpo.kernels import decode_linear, rms_norm, rope
 from fastgrpo.kernels.decode_linear import linear_ref, linear_triton
@@ -22,7 +22,7 @@ from fastgrpo.kernels.kv_write import write_kv_ref
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm_ref
 from fastgrpo.models import transformer
 from fastgrpo.models.attention import PackedCausalAttention
-from fastgrpo.models.transformer import ModelConfig, RotaryTable, Transformer
+from fastgrpo.models.transformer import ModelConfig, RotaryTable
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache
 
 pytestmark = NEEDS_TRITON
@@ -254,18 +254,6 @@ LLAMA_LIKE = ModelConfig(  # GQA (rep 3), biased q/k/v (Qwen2), 2 layers
 )
 
 
-def _random_model(config, dtype, seed=0):
-    torch.manual_seed(seed)
-    model = Transformer(config)
-    for name, p in model.named_parameters():
-        p.data = (
-            (1 + 0.2 * torch.randn_like(p))
-            if name.endswith("norm.weight")
-            else 0.1 * torch.randn_like(p)
-        )
-    return model.to(dtype=dtype, device=DEVICE)
-
-
 @pytest.fixture
 def decode_kernels_here(monkeypatch):
     """The fused path on this device (the interpreter on a CPU) with the decode linear taken for
@@ -311,9 +299,9 @@ def _model_inputs(lengths):
 def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
     decode_kernels_here,
 ):
-    model = _random_model(LLAMA_LIKE, BF16)
+    model = random_model(LLAMA_LIKE, BF16)
     model.pack_projections()
-    exact = _random_model(LLAMA_LIKE, torch.float64)
+    exact = random_model(LLAMA_LIKE, torch.float64)
     ids, positions, attend = _model_inputs((5, 1, 9))
     with torch.no_grad():
         plain = model(ids, positions, attend)  # (T, H)
@@ -328,7 +316,7 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
 
 
 def test_unpacked_model_keeps_one_gemm_per_projection(decode_kernels_here):
-    model = _random_model(LLAMA_LIKE, BF16)  # not packed
+    model = random_model(LLAMA_LIKE, BF16)  # not packed
     ids, positions, attend = _model_inputs((4,))
     with torch.no_grad():
         model(ids, positions, attend, fused_ops=True)

@@ -15,12 +15,12 @@ import os
 
 import pytest
 import torch
-from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
+from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
 
 from fastgrpo.kernels import rms_norm, rope, swiglu
 from fastgrpo.models import transformer
 from fastgrpo.models.attention import PackedCausalAttention
-from fastgrpo.models.transformer import ModelConfig, RMSNorm, RotaryTable, Transformer
+from fastgrpo.models.transformer import ModelConfig, RMSNorm, RotaryTable
 
 pytestmark = NEEDS_TRITON
 
@@ -213,18 +213,6 @@ def test_public_functions_keep_cpu_tensors_on_the_references():
 # ----------------------------------------------------------------------------- the model
 
 
-def _random_model(config: ModelConfig, dtype, seed: int = 0) -> Transformer:
-    """Weights of O(1) logits; norm weights near 1 but not equal to it, so they are exercised."""
-    torch.manual_seed(seed)
-    model = Transformer(config)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data = 1 + 0.2 * torch.randn_like(p)
-        else:
-            p.data = 0.1 * torch.randn_like(p)
-    return model.to(dtype=dtype, device=DEVICE)
-
-
 def _packed_inputs(config: ModelConfig, lengths=(5, 1, 9), start=(0, 0, 300)):
     """(input_ids (T,), positions (T,), attend) for packed sequences; one starts at 300."""
     ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=torch.Generator())
@@ -269,7 +257,7 @@ QWEN3_LIKE = ModelConfig(  # GQA (rep 3), q/k norm, an odd head dim, 2 layers
 
 
 def test_fused_forward_of_a_random_model_gives_its_pytorch_hidden_states(kernels_on_this_device):
-    model = _random_model(QWEN3_LIKE, torch.float32)
+    model = random_model(QWEN3_LIKE, torch.float32)
     ids, positions, attend = _packed_inputs(QWEN3_LIKE)
     with torch.enable_grad():
         plain = model(ids, positions, attend, fused_ops=True)  # (T, H), the training path
@@ -361,13 +349,13 @@ def test_bf16_native_transformer_gives_the_same_hidden_states_with_fused_ops_on_
         qk_norm=True,
         tie_word_embeddings=True,
     )
-    model = _random_model(config, torch.bfloat16)
+    model = random_model(config, torch.bfloat16)
     ids, positions, attend = _packed_inputs(config, lengths=(64, 1, 37), start=(0, 0, 1000))
     with torch.no_grad():
         assert transformer.use_fused_ops(model.model.embed_tokens.weight, asked=True)
         fused = model(ids, positions, attend, fused_ops=True)  # (T, H)
         plain = model(ids, positions, attend)
-        exact = _random_model(config, torch.float32)(ids, positions, attend)
+        exact = random_model(config, torch.float32)(ids, positions, attend)
     # One ulp of RMSNorm (its sum order is the kernel's only freedom) spreads through the next
     # matmuls like any other bf16 rounding, so fused and plain differ by about bf16's own error
     # (measured in fp16 under the interpreter: max 0.6x, mean 0.34x); both must be as accurate.
