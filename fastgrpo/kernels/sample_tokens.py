@@ -1,9 +1,10 @@
 """The decode step's token sampler in one pass over the logits: Gumbel-max token and its log-prob.
 
 What: for each row of `logits` (B, V), the token `argmax(z + g)` with `z = logits / T` and `g` the
-counter-based Gumbel noise of `fastgrpo.rollout.sampling` (splitmix64 of (seed, step, vocabulary
-index)), and `logp = log_softmax(z)[token]` in fp32. Temperature 0 is greedy: `argmax(logits)`,
-with `logp` at T = 1. Only the plain setting (no top-k, no top-p) is served, the usual GRPO one.
+counter-based Gumbel noise of `fastgrpo.rollout.sampling` (a 64-bit splitmix64 state per (seed,
+step), then 32 bits per vocabulary index from two rounds of lowbias32), and
+`logp = log_softmax(z)[token]` in fp32. Temperature 0 is greedy: `argmax(logits)`, with `logp` at
+T = 1. Only the plain setting (no top-k, no top-p) is served, the usual GRPO one.
 
 How: the vocabulary is cut into splits of `BLOCKS_PER_SPLIT` blocks; one program per (row, split)
 walks its blocks once, hashing the noise of each column in registers, and keeps the best score,
@@ -13,27 +14,30 @@ merges the sums into the log-normaliser and reads the token's logit again for it
 number of splits depends on V alone, so a row's result never depends on its batch. No host sync:
 `step` is read on the device, so the launch replays in a CUDA graph while `step` advances.
 
-Why: on the H100 the torch sampler costs ~0.8 ms of a 7 ms decode step at 64 x 151936 (about 15
-whole-(B, V) int64 / fp32 passes). This reads the bf16 logits once (~20 MB at B = 64). Not yet
-timed: ptxas (triton 3.6, sm_90) makes ~130 instructions per column, mostly the 64-bit hash and the
-two logs, so at B = 64 the kernel is likely compute-bound at some 40-70 us rather than ~10 us of
-bandwidth.
+Everything runs in base 2, where the GPU's fast exp2 / log2 (one MUFU instruction each) live:
+with r the column's uniform and L = -log2(1 - r) = Exp(1) * log2(e), the score is
+`z * log2(e) / T - log2(L)`, which is (z + g) * log2(e) up to a constant, so it has the same
+argmax. L comes from the series of -log1p(-r) for r < 1/32 (5 terms, relative error < 1e-8),
+where 1 - r would lose r's low bits, and from log2(1 - r) above. Per column that is the 32-bit
+hash, two log2 and one exp2 (for the log-normaliser).
 
-Same noise, same tokens: each step is rounded as the torch sampler rounds it on the same device.
-z is `logits * fp32(1 / T)` on CUDA, where torch divides by a Python scalar by multiplying with its
-fp32 reciprocal (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), and a true division on the CPU.
-No multiply-add is fused (`enable_fp_fusion=False`). log1p and log are libdevice's `__nv_log1pf`
-and `__nv_logf`, the bitcode form of CUDA's `log1pf` / `logf` that torch's `::log1p` / `::log`
-call, without flush-to-zero as nvcc compiles torch; both are written with explicit fma only, so
-contraction settings cannot change them. On a GPU the noise is therefore meant to be bitwise
-`sampling._gumbel` (the GPU tests check it). The interpreter (CPU tests) has no libdevice: there
-log1p comes from numpy's float32 log, within a few ulps of torch's CPU log1p (measured: at most
-4.8e-7 for |g| <= 1, 3.2e-7 relative above), so the CPU tests compare tokens away from near-ties.
+Why: the torch sampler costs ~0.8 ms of a 7 ms decode step on the H100 at 64 x 151936 (about 15
+whole-(B, V) int64 / fp32 passes); this reads the bf16 logits once (~20 MB at B = 64). A first
+version hashed 64 bits per column and used libdevice's exact log1p / log to match the torch
+sampler bit for bit: ~130 instructions per column, 45 us at B = 64 (compute-bound). Matching
+torch bit for bit is not needed for correct sampling, so this version trades it for speed.
+
+Same noise up to rounding: the uniform r and its clamps are bitwise `sampling._gumbel`'s; the logs
+differ from torch's in the last bits (fast log2 on a GPU, numpy's in the interpreter), so tokens
+agree with the torch sampler except at near-ties (the tests skip rows whose two best scores are
+within 1e-5).
 
 Reference: `sample_tokens_fused_ref`, the torch sampler itself (`sampling.sample_tokens_torch`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,7 +45,8 @@ from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, triton
 
 if triton is not None:
     import triton.language as tl
-    from triton.language.extra import libdevice
+
+LN2 = math.log(2.0)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -58,10 +63,15 @@ if triton is not None:
     _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
     _MUL1 = tl.constexpr(0xBF58476D1CE4E5B9)
     _MUL2 = tl.constexpr(0x94D049BB133111EB)
-    _R_SCALE = tl.constexpr(2.0**-63)  # 63 bits -> [0, 1]
-    _R_MIN = tl.constexpr(2.0**-64)
+    # lowbias32 (hash-prospector) in uint32
+    _LOWBIAS_MUL1 = tl.constexpr(0x7FEB352D)
+    _LOWBIAS_MUL2 = tl.constexpr(0x846CA68B)
+    _R_SCALE = tl.constexpr(2.0**-32)  # 32 bits -> [0, 1]
+    _R_MIN = tl.constexpr(2.0**-33)
     _R_MAX = tl.constexpr(1.0 - 2.0**-24)  # the largest fp32 below 1
+    _SERIES_BELOW = tl.constexpr(1.0 / 32)
     _LOG2E = tl.constexpr(LOG2E)
+    _LN2 = tl.constexpr(LN2)
 
     @triton.jit
     def _mix64(x):
@@ -74,103 +84,84 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _row_stream(seeds_ptr, seed_stride, step_ptr, step_stride, row):
-        """The row's splitmix64 state, as `sampling._gumbel` derives it from (seed, step)."""
+    def _lowbias32(x):
+        """lowbias32 of uint32 x."""
+        x ^= x >> 16
+        x *= _LOWBIAS_MUL1
+        x ^= x >> 15
+        x *= _LOWBIAS_MUL2
+        x ^= x >> 16
+        return x
+
+    @triton.jit
+    def _row_keys(seeds_ptr, seed_stride, step_ptr, step_stride, row):
+        """(lo, hi) uint32: the halves of the row's splitmix64 state, as `sampling.row_state`."""
         seed = tl.load(seeds_ptr + row * seed_stride).to(tl.uint64, bitcast=True)
         step = tl.load(step_ptr + row * step_stride).to(tl.uint64, bitcast=True)
-        return _mix64(_mix64(seed + _GOLDEN) + step * _GOLDEN)
+        state = _mix64(_mix64(seed + _GOLDEN) + step * _GOLDEN)
+        return (state & 0xFFFFFFFF).to(tl.uint32), (state >> 32).to(tl.uint32)
 
     @triton.jit
-    def _log1p(x, LIBDEVICE: tl.constexpr):
-        if LIBDEVICE:
-            return libdevice.log1p(x)
-        else:  # the interpreter: Goldberg's log1p from log, accurate to a few ulps
-            u = 1.0 + x
-            return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
-
-    @triton.jit
-    def _log(x, LIBDEVICE: tl.constexpr):
-        if LIBDEVICE:
-            return libdevice.log(x)
-        else:
-            return tl.log(x)
-
-    @triton.jit
-    def _gumbel(state, LIBDEVICE: tl.constexpr):
-        """Gumbel noise from the splitmix64 states `row + index * golden` (uint64), step by step
-        as `sampling._gumbel`: the top 63 bits to fp32 (round to nearest), times 2^-63, clamped
-        to [2^-64, 1 - 2^-24], then -log(-log1p(-r))."""
-        bits = _mix64(state)
-        r = (bits >> 1).to(tl.int64, bitcast=True).to(tl.float32) * _R_SCALE
-        r = tl.minimum(tl.maximum(r, _R_MIN), _R_MAX)
-        return -_log(-_log1p(-r, LIBDEVICE), LIBDEVICE)
-
-    @triton.jit
-    def _scaled(x, scale, GREEDY: tl.constexpr, DIVIDE: tl.constexpr):
-        """z in fp32, rounded as the torch sampler rounds `logits.float() / T` on this device."""
-        z = x.to(tl.float32)
-        if GREEDY:
-            return z
-        elif DIVIDE:
-            return z / scale  # scale = T
-        else:
-            return z * scale  # scale = fp32(1 / T)
+    def _noise_log2(cols, lo, hi):
+        """-log2(L), L = Exp(1) * log2(e) from the uniform of `sampling.column_bits`: the Gumbel
+        noise g times log2(e), less the constant log2(ln 2)."""
+        bits = _lowbias32(_lowbias32(cols.to(tl.uint32) ^ lo) ^ hi)
+        r = tl.minimum(tl.maximum(bits.to(tl.float32) * _R_SCALE, _R_MIN), _R_MAX)
+        # -log1p(-r) = r + r^2/2 + r^3/3 + ...: 5 terms below 1/32, where 1 - r loses r's bits
+        series = r * (1.0 + r * (0.5 + r * (1.0 / 3 + r * (0.25 + r * 0.2)))) * _LOG2E
+        small = r < _SERIES_BELOW
+        big = -tl.log2(tl.where(small, 0.5, 1.0 - r))
+        return -tl.log2(tl.where(small, series, big))
 
     @triton.jit
     def _sample_splits_kernel(
         logits_ptr,  # (B, V), any strides
         seeds_ptr,  # (B,) int64
         step_ptr,  # (B,) or () int64
-        best_ptr,  # (S, B) fp32: the split's best score z + g (z when greedy)
+        best_ptr,  # (S, B) fp32: the split's best score (base 2; the logit when greedy)
         col_ptr,  # (S, B) int32: its column
-        max_ptr,  # (S, B) fp32: the split's max of z
-        sum_ptr,  # (S, B) fp32: its sum of exp(z - max)
+        max_ptr,  # (S, B) fp32: the split's max of z * log2(e)
+        sum_ptr,  # (S, B) fp32: its sum of exp2(z * log2(e) - max)
         B,
         V,
         stride_b,
         stride_v,
         seed_stride,
         step_stride,  # 0 for a scalar step
-        scale,
+        scale,  # fp32 log2(e) / T (log2(e) when greedy)
         BLOCK_V: tl.constexpr,
         BLOCKS_PER_SPLIT: tl.constexpr,
         GREEDY: tl.constexpr,
-        DIVIDE: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(1)
         start = split * (BLOCK_V * BLOCKS_PER_SPLIT)
         stop = tl.minimum(start + BLOCK_V * BLOCKS_PER_SPLIT, V)
         offs = tl.arange(0, BLOCK_V)
         if not GREEDY:
-            # index * golden = (lo + 1) * golden + offs * golden: one 64-bit multiply per block
-            stream = _row_stream(seeds_ptr, seed_stride, step_ptr, step_stride, row)
-            offs_golden = offs.to(tl.uint64) * _GOLDEN  # (BLOCK_V,)
+            lo_key, hi_key = _row_keys(seeds_ptr, seed_stride, step_ptr, step_stride, row)
         row_ptr = logits_ptr + row * stride_b
         best = tl.full([], float("-inf"), tl.float32)
         best_col = start  # kept when every score is -inf: the first column, as torch.argmax
         running_max = tl.full([], float("-inf"), tl.float32)
         running_sum = tl.zeros([], tl.float32)
         for lo in range(start, stop, BLOCK_V):
-            cols = lo + offs  # (BLOCK_V,) int64
+            cols = lo + offs  # (BLOCK_V,) int32
             ok = cols < stop
-            x = tl.load(row_ptr + cols * stride_v, mask=ok, other=float("-inf"))
-            z = _scaled(x, scale, GREEDY, DIVIDE)  # (BLOCK_V,) fp32
+            x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=ok, other=float("-inf"))
+            x = x.to(tl.float32)
+            z2 = x * scale  # (BLOCK_V,) z * log2(e)
             if GREEDY:
-                score = z
+                score = x
             else:
-                state = stream + tl.cast(lo + 1, tl.uint64) * _GOLDEN + offs_golden
-                score = z + _gumbel(state, LIBDEVICE)  # -inf past the split, as z
+                score = z2 + _noise_log2(cols, lo_key, hi_key)  # -inf past the split, as z
             top, at = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
             better = top > best  # strict: an earlier block keeps a tie
             best = tl.where(better, top, best)
             best_col = tl.where(better, lo + at, best_col)
-            new_max = tl.maximum(running_max, tl.max(z, 0))
+            new_max = tl.maximum(running_max, tl.max(z2, 0))
             base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
-            running_sum = running_sum * tl.exp2((running_max - base) * _LOG2E) + tl.sum(
-                tl.exp2((z - base) * _LOG2E), 0
-            )
+            running_sum = running_sum * tl.exp2(running_max - base) + tl.sum(tl.exp2(z2 - base), 0)
             running_max = new_max
         out = split * B + row
         tl.store(best_ptr + out, best)
@@ -193,8 +184,6 @@ if triton is not None:
         stride_v,
         scale,
         S_PAD: tl.constexpr,
-        GREEDY: tl.constexpr,
-        DIVIDE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         splits = tl.arange(0, S_PAD)
@@ -208,13 +197,13 @@ if triton is not None:
         split_sum = tl.load(sum_ptr + at, mask=ok, other=0.0)
         top = tl.max(split_max, 0)
         base = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(split_sum * tl.exp2((split_max - base) * _LOG2E), 0)
-        z = _scaled(tl.load(logits_ptr + row * stride_b + token * stride_v), scale, GREEDY, DIVIDE)
+        total = tl.sum(split_sum * tl.exp2(split_max - base), 0)
+        z2 = tl.load(logits_ptr + row * stride_b + token * stride_v).to(tl.float32) * scale
         tl.store(tokens_ptr + row, token)
-        tl.store(logp_ptr + row, (z - base) - tl.log2(total) / _LOG2E)
+        tl.store(logp_ptr + row, (z2 - base - tl.log2(total)) * _LN2)
 
     @triton.jit
-    def _gumbel_kernel(
+    def _noise_kernel(
         seeds_ptr,
         step_ptr,
         noise_ptr,  # (B, V) fp32
@@ -222,13 +211,11 @@ if triton is not None:
         seed_stride,
         step_stride,
         BLOCK_V: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-        stream = _row_stream(seeds_ptr, seed_stride, step_ptr, step_stride, row)
-        g = _gumbel(stream + (cols + 1).to(tl.uint64) * _GOLDEN, LIBDEVICE)
-        tl.store(noise_ptr + row * V + cols, g, mask=cols < V)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        lo_key, hi_key = _row_keys(seeds_ptr, seed_stride, step_ptr, step_stride, row)
+        tl.store(noise_ptr + row * V + cols, _noise_log2(cols, lo_key, hi_key), mask=cols < V)
 
 
 def _blocks() -> tuple[int, int, int]:
@@ -279,16 +266,12 @@ def sample_tokens_fused(
     if B == 0:
         return tokens, logp
     greedy = temperature == 0
-    divide = device.type != "cuda"  # torch's own rounding of z / T on this device (see top)
-    t32 = torch.tensor(temperature, dtype=torch.float32)  # what torch takes from the Python scalar
-    scale = 1.0 if greedy else t32.item() if divide else (1.0 / t32).item()  # fp32 1 / fp32 T
+    scale = LOG2E if greedy else LOG2E / temperature  # passed as fp32
     block_v, blocks_per_split, warps = _blocks()
     splits = triton.cdiv(V, block_v * blocks_per_split)
     best, split_max, split_sum = torch.empty(3, splits, B, dtype=torch.float32, device=device)
     cols = torch.empty(splits, B, dtype=torch.int32, device=device)
     strides = (logits.stride(0), logits.stride(1))
-    # rounded as torch's kernels round: no fused multiply-add, libdevice without flush-to-zero
-    exact = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
     _sample_splits_kernel[(B, splits)](
         logits,
         seeds,
@@ -306,10 +289,7 @@ def sample_tokens_fused(
         BLOCK_V=block_v,
         BLOCKS_PER_SPLIT=blocks_per_split,
         GREEDY=greedy,
-        DIVIDE=divide,
-        LIBDEVICE=not _interpreting(),
         num_warps=warps,
-        **exact,
     )
     _combine_splits_kernel[(B,)](
         logits,
@@ -324,22 +304,19 @@ def sample_tokens_fused(
         *strides,
         scale,
         S_PAD=triton.next_power_of_2(splits),
-        GREEDY=greedy,
-        DIVIDE=divide,
-        **exact,
     )
     return tokens, logp
 
 
-def gumbel_noise(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:  # (B, V)
-    """The kernel's Gumbel noise, written out, for tests against `sampling._gumbel` (no input
-    checks: a test helper)."""
+def noise_log2(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:  # (B, V)
+    """The noise the kernel adds to z * log2(e), written out (a test helper: no input checks).
+    `noise_log2(...) * ln 2 - ln(ln 2)` is the Gumbel noise `sampling._gumbel` draws."""
     if triton is None:
         raise RuntimeError("the fused Triton sampler needs `pip install triton`")
     B = seeds.shape[0]
     noise = torch.empty(B, vocab, dtype=torch.float32, device=seeds.device)
     block_v = _blocks()[0]
-    _gumbel_kernel[(B, triton.cdiv(vocab, block_v))](
+    _noise_kernel[(B, triton.cdiv(vocab, block_v))](
         seeds,
         step,
         noise,
@@ -347,8 +324,10 @@ def gumbel_noise(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.T
         seeds.stride(0),
         step.stride(0) if step.dim() else 0,
         BLOCK_V=block_v,
-        LIBDEVICE=not _interpreting(),
-        enable_fp_fusion=False,
-        enable_reflect_ftz=False,
     )
     return noise
+
+
+def gumbel_noise(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:  # (B, V)
+    """The kernel's noise in natural units, comparable to `sampling._gumbel` (a test helper)."""
+    return noise_log2(seeds, step, vocab) * LN2 - math.log(LN2)

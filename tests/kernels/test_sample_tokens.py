@@ -1,10 +1,10 @@
 """The fused Triton sampler against the torch sampler it replaces (interpreter on CPU).
 
-On a GPU the kernel is meant to reproduce the torch sampler bit for bit: the same noise, the same
-tokens. The interpreter has no libdevice, so there log1p comes from numpy's float32 log, within a
-few ulps of torch's CPU log1p: the CPU tests compare the noise to within that rounding, and tokens
+The kernel draws the torch sampler's noise up to the last bits of its logs (the GPU's fast log2,
+numpy's log2 in the interpreter): the tests compare the noise to within that rounding, and tokens
 on every row whose two best reference scores are more than 1e-5 apart (a near-tie can go either
 way; `_assert_same_tokens` says how many rows it had to skip, and it insists on at least one row).
+What the kernel computes in several ways (dtypes, strides, batches, graphs) must agree bit for bit.
 Small blocks in the interpreter (128 columns, 2 per split) make V = 1000 span 4 splits.
 """
 
@@ -23,6 +23,9 @@ from fastgrpo.rollout.sampling import _gumbel
 pytestmark = NEEDS_TRITON
 
 NEAR_TIE = 1e-5
+# the kernel's noise against torch's: the same uniforms, logs that differ in the last bits
+# (|g| < 23, so 2e-6 is a few ulps)
+NOISE_RTOL, NOISE_ATOL = 1e-6, 2e-6
 
 
 def _inputs(batch, vocab, seed, dtype=torch.float32, scale=3.0):
@@ -43,9 +46,6 @@ def _reference_gap(logits, temperature, seeds, step):  # (B,)
 
 
 def _assert_same_tokens(tokens, want, gap):
-    if ON_GPU:  # same noise, same rounding: no exceptions
-        assert torch.equal(tokens, want)
-        return
     clear = gap > NEAR_TIE
     assert clear.any(), "every row is a near-tie: the test compares nothing"
     assert torch.equal(tokens[clear], want[clear]), f"{int((~clear).sum())} near-tie rows skipped"
@@ -64,10 +64,7 @@ def test_noise_is_the_torch_samplers_noise(step_shape):
     step = step.to(DEVICE)
     noise = ops.gumbel_noise(seeds, step, 997)
     want = _gumbel(seeds, step, 997)
-    if ON_GPU:
-        assert torch.equal(noise, want)
-    else:  # numpy's log vs torch's: a few ulps
-        torch.testing.assert_close(noise, want, rtol=5e-7, atol=5e-7)
+    torch.testing.assert_close(noise, want, rtol=NOISE_RTOL, atol=NOISE_ATOL)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
@@ -105,15 +102,16 @@ def test_greedy_picks_the_argmax_and_the_lowest_index_on_ties():
 
 
 def test_sampling_ties_pick_the_lowest_index():
-    """logits = -g (the kernel's own noise) make every score exactly 0; lowering the logits of
-    the first k columns by 1 leaves column k the lowest-index maximum."""
+    """At T = log2(e) the kernel's scale log2(e) / T is exactly 1, so logits = -noise_log2 (the
+    kernel's own noise) make every score exactly 0; lowering the logits of the first k columns by
+    1 leaves column k the lowest-index maximum."""
     firsts = [0, 1, 255, 256, 700, 999]  # split boundaries at multiples of 256 in the interpreter
     seeds = torch.full((len(firsts),), 5, device=DEVICE)
     step = torch.tensor(3, device=DEVICE)
-    logits = -ops.gumbel_noise(seeds, step, 1000)  # (B, V)
+    logits = -ops.noise_log2(seeds, step, 1000)  # (B, V)
     for row, k in enumerate(firsts):
         logits[row, :k] -= 1.0
-    tokens, _ = ops.sample_tokens_fused(logits, 1.0, seeds, step)
+    tokens, _ = ops.sample_tokens_fused(logits, ops.LOG2E, seeds, step)
     assert tokens.tolist() == firsts
 
 
@@ -207,7 +205,10 @@ def test_sample_tokens_runs_the_kernel_for_plain_settings_on_cuda_only(monkeypat
         tokens, _ = sample_tokens(logits, params, seeds, step)
         want, _ = sampling.sample_tokens_torch(logits, params, seeds, step)
         assert bool(calls) == fused, params
-        assert torch.equal(tokens, want), params
+        gap = _reference_gap(
+            sampling._filter(logits.float(), params), params.temperature, seeds, step
+        )
+        _assert_same_tokens(tokens, want, gap)
     monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)  # FASTGRPO_FUSED_SAMPLER=0
     calls.clear()
     sample_tokens(logits, SamplingParams(1.0), seeds, step)
@@ -219,23 +220,26 @@ REAL_B, REAL_V = 64, 151936
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_noise_is_bitwise_the_torch_noise_at_a_real_vocabulary():
+def test_noise_is_the_torch_noise_at_a_real_vocabulary():
     gen = torch.Generator().manual_seed(10)
     seeds = torch.randint(-(2**62), 2**62, (REAL_B,), generator=gen).cuda()
     step = torch.randint(0, 4096, (REAL_B,), generator=gen).cuda()
-    assert torch.equal(ops.gumbel_noise(seeds, step, REAL_V), _gumbel(seeds, step, REAL_V))
+    noise, want = ops.gumbel_noise(seeds, step, REAL_V), _gumbel(seeds, step, REAL_V)
+    torch.testing.assert_close(noise, want, rtol=NOISE_RTOL, atol=NOISE_ATOL)
     assert os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_tokens_are_bitwise_the_torch_samplers_at_a_real_vocabulary(temperature):
+def test_tokens_are_the_torch_samplers_at_a_real_vocabulary(temperature):
     logits, seeds, step = _inputs(REAL_B, REAL_V, seed=8, dtype=torch.bfloat16, scale=4.0)
     tokens, logp = ops.sample_tokens_fused(logits, temperature, seeds, step)
     want, want_logp = ops.sample_tokens_fused_ref(logits, temperature, seeds, step)
-    assert torch.equal(tokens, want)
-    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+    gap = _reference_gap(logits, temperature, seeds, step)
+    _assert_same_tokens(tokens, want, gap)
+    same = tokens == want
+    torch.testing.assert_close(logp[same], want_logp[same], atol=1e-5, rtol=0)
     want64 = _float64_logp(logits, temperature, tokens)
     torch.testing.assert_close(logp.double(), want64, atol=1e-5, rtol=0)
 
@@ -256,8 +260,7 @@ def test_kernel_captured_in_a_cuda_graph_follows_the_step_changed_in_place():
     for value in (0, 1, 77, 4095, 5):
         step.fill_(value)
         graph.replay()
-        want, want_logp = ops.sample_tokens_fused_ref(logits, 0.8, seeds, step)
-        assert torch.equal(tokens, want), value
-        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+        want, want_logp = ops.sample_tokens_fused(logits, 0.8, seeds, step)  # eager, same kernel
+        assert torch.equal(tokens, want) and torch.equal(logp, want_logp), value
         seen.add(tuple(tokens.tolist()))
     assert len(seen) == 5  # the replays really drew with the new steps

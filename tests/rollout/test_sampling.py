@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fastgrpo.rollout import SamplingParams, sample_tokens
-from fastgrpo.rollout.sampling import _filter, _gumbel, _mix64
+from fastgrpo.rollout.sampling import _filter, _gumbel, _mix64, column_bits
 
 ALPHA = 1e-8
 N = 150_000  # samples per distribution test: a 3% error in the temperature fails several
@@ -122,6 +122,21 @@ def test_hash_is_splitmix64_with_unsigned_wraparound():
     values = [0, 1, -1, 12345, -(2**63), 2**63 - 1, 0x9E3779B97F4A7C15 - 2**64]
     got = _mix64(torch.tensor(values)).tolist()
     assert [v % 2**64 for v in got] == [splitmix64(v) for v in values]
+
+
+def test_column_bits_are_two_rounds_of_lowbias32_keyed_by_the_row_state():
+    def lowbias32(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    states = torch.tensor([0, -1, 2**63 - 1, -(2**63), 0x0123456789ABCDEF])
+    got = column_bits(states.clone(), 70)  # (5, 70)
+    for b, state in enumerate(states.tolist()):
+        lo, hi = state % 2**32, (state % 2**64) >> 32
+        assert got[b].tolist() == [lowbias32(lowbias32(v ^ lo) ^ hi) for v in range(70)]
 
 
 PARAMS = [
