@@ -169,14 +169,46 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
     return row
 
 
+def gate_up_grid(bandwidth: float) -> dict:
+    """0.5B gate/up at 64 rows: (1) rows per program (BM) and warps, which CONFIGS leave at 64
+    and 4, and (2) the same kernel at widths giving 132, 152 and 264 programs of 32 columns, to see
+    whether 152 programs on 132 multiprocessors lose time to the second, partial wave."""
+    x, residual, layers = make_layers(64, 896, 4864, True, False, True)
+    sweep = []
+    for bm, bn, bk, w, s in itertools.product(
+        (16, 32, 64), (16, 32, 64), (64, 128), (2, 4), (4, 6)
+    ):
+        config = dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
+        try:
+            us = time_per_call(lambda i, c=config: kernel(x, residual, layers[i], True, c))
+        except Exception as error:  # out of shared memory or registers: skip it
+            print(f"  {config}: {type(error).__name__}", file=sys.stderr)
+            continue
+        sweep.append(dict(config=config, us=us))
+    best = min(sweep, key=lambda r: r["us"])
+    widths = []
+    for n in (4224, 4864, 8448):  # 132, 152 and 264 programs of 32 columns
+        x, _, layers = make_layers(64, 896, n, False, False, True)
+        us = time_per_call(lambda i, x=x, layers=layers: kernel(x, None, layers[i], True, None))
+        nbytes = layers[0]["weight"].numel() * 2
+        widths.append(dict(N=n, us=us, tb_s=nbytes / us / 1e6, floor_us=nbytes / bandwidth * 1e6))
+        print(f"  gate/up width {n}: {us:6.2f} us, {nbytes / us / 1e6:5.2f} TB/s", flush=True)
+    print(f"gate_up grid sweep: best {best['us']:6.2f} us {best['config']}", flush=True)
+    return dict(op="0.5B gate_up grid", rows=64, best=best, sweep=sweep, widths=widths)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--quick", action="store_true", help="default configuration only")
     parser.add_argument("--ops", nargs="+", default=list(OPS), help="names from OPS")
+    parser.add_argument("--gate-up-grid", action="store_true", help="only gate_up_grid()")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     results = []
+    if args.gate_up_grid:
+        results.append(gate_up_grid(bandwidth))
+        args.ops = []
     for name in args.ops:
         for M in args.rows:
             row = measure_op(name, M, args.quick, bandwidth)

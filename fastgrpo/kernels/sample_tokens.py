@@ -253,9 +253,11 @@ def sample_tokens_fused(
     temperature: float,  # 0 = greedy
     seeds: torch.Tensor,  # (B,) int64
     step: torch.Tensor,  # (B,) or () int64, read on the device
+    blocks: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,) int64, logp (B,) fp32) as `sample_tokens_fused_ref`, in two Triton launches.
-    No host sync: safe to capture in a CUDA graph and replay with `step` changed in place."""
+    No host sync: safe to capture in a CUDA graph and replay with `step` changed in place.
+    `blocks` overrides `_blocks()` (BLOCK_V, BLOCKS_PER_SPLIT, num_warps), for tuning."""
     if triton is None:
         raise RuntimeError("the fused Triton sampler needs `pip install triton`")
     _check_inputs(logits, temperature, seeds, step)
@@ -267,7 +269,7 @@ def sample_tokens_fused(
         return tokens, logp
     greedy = temperature == 0
     scale = LOG2E if greedy else LOG2E / temperature  # passed as fp32
-    block_v, blocks_per_split, warps = _blocks()
+    block_v, blocks_per_split, warps = blocks or _blocks()
     splits = triton.cdiv(V, block_v * blocks_per_split)
     best, split_max, split_sum = torch.empty(3, splits, B, dtype=torch.float32, device=device)
     cols = torch.empty(splits, B, dtype=torch.int32, device=device)
