@@ -182,7 +182,10 @@ def decode_rows(shape, rows, prompt, new_tokens, bandwidth, name, *, peers=False
 def whole_rollout(with_hf):
     model = native_model("0.5B")
     prompts = prompts_of(8, 128, model.config.vocab_size)
-    rows = [("fastgrpo engine", ours_seconds(model, prompts, 8, 256))]
+    rows = [
+        ("fastgrpo engine", ours_seconds(model, prompts, 8, 256)),
+        ("fastgrpo engine, 1 new token", ours_seconds(model, prompts, 8, 1)),  # prefill + setup
+    ]
     if with_hf:
         hf = hf_model(model, "0.5B")
         rows.append(("HF generate, static cache", hf_seconds(hf, prompts, 8, 256, "static")))

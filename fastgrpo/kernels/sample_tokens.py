@@ -7,8 +7,9 @@ step), then 32 bits per vocabulary index from two rounds of lowbias32), and
 T = 1. Only the plain setting (no top-k, no top-p) is served, the usual GRPO one.
 
 How: the vocabulary is cut into splits of `BLOCKS_PER_SPLIT` blocks; one program per (row, split)
-walks its blocks once, hashing the noise of each column in registers, and keeps the best score,
-its column, and an online max / sum of exponentials of z. A second, tiny kernel (one program per
+walks its blocks once, hashing the noise of each column in registers. Each lane keeps its own best
+score and column and its own sum of exponentials of z against the block-wide running max, so a
+block costs one cross-lane reduction (that max), and the best score is reduced once at the end. A second, tiny kernel (one program per
 row) picks the best split (ties: the lowest split, hence the lowest column, as `torch.argmax`),
 merges the sums into the log-normaliser and reads the token's logit again for its log-prob. The
 number of splits depends on V alone, so a row's result never depends on its batch. No host sync:
@@ -45,6 +46,7 @@ from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, triton
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra import libdevice
 
 LN2 = math.log(2.0)
 
@@ -102,7 +104,14 @@ if triton is not None:
         return (state & 0xFFFFFFFF).to(tl.uint32), (state >> 32).to(tl.uint32)
 
     @triton.jit
-    def _noise_log2(cols, lo, hi):
+    def _log2(x, FAST: tl.constexpr):
+        if FAST:  # one MUFU instruction (lg2.approx); tl.log2 is libdevice's exact log2f
+            return libdevice.fast_log2f(x)
+        else:  # the interpreter
+            return tl.log2(x)
+
+    @triton.jit
+    def _noise_log2(cols, lo, hi, FAST: tl.constexpr):
         """-log2(L), L = Exp(1) * log2(e) from the uniform of `sampling.column_bits`: the Gumbel
         noise g times log2(e), less the constant log2(ln 2)."""
         bits = _lowbias32(_lowbias32(cols.to(tl.uint32) ^ lo) ^ hi)
@@ -110,8 +119,8 @@ if triton is not None:
         # -log1p(-r) = r + r^2/2 + r^3/3 + ...: 5 terms below 1/32, where 1 - r loses r's bits
         series = r * (1.0 + r * (0.5 + r * (1.0 / 3 + r * (0.25 + r * 0.2)))) * _LOG2E
         small = r < _SERIES_BELOW
-        big = -tl.log2(tl.where(small, 0.5, 1.0 - r))
-        return -tl.log2(tl.where(small, series, big))
+        big = -_log2(tl.where(small, 0.5, 1.0 - r), FAST)
+        return -_log2(tl.where(small, series, big), FAST)
 
     @triton.jit
     def _sample_splits_kernel(
@@ -132,6 +141,7 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         BLOCKS_PER_SPLIT: tl.constexpr,
         GREEDY: tl.constexpr,
+        FAST_LOG: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -141,10 +151,12 @@ if triton is not None:
         if not GREEDY:
             lo_key, hi_key = _row_keys(seeds_ptr, seed_stride, step_ptr, step_stride, row)
         row_ptr = logits_ptr + row * stride_b
-        best = tl.full([], float("-inf"), tl.float32)
-        best_col = start  # kept when every score is -inf: the first column, as torch.argmax
+        # per lane: the best score and its column (no reduction in the loop), and the sum of
+        # exp2(z2 - running_max) against the block-wide running max (one reduction per block)
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_col = tl.full([BLOCK_V], 2**31 - 1, tl.int32)
+        lane_sum = tl.zeros([BLOCK_V], tl.float32)
         running_max = tl.full([], float("-inf"), tl.float32)
-        running_sum = tl.zeros([], tl.float32)
         for lo in range(start, stop, BLOCK_V):
             cols = lo + offs  # (BLOCK_V,) int32
             ok = cols < stop
@@ -154,20 +166,24 @@ if triton is not None:
             if GREEDY:
                 score = x
             else:
-                score = z2 + _noise_log2(cols, lo_key, hi_key)  # -inf past the split, as z
-            top, at = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-            better = top > best  # strict: an earlier block keeps a tie
-            best = tl.where(better, top, best)
-            best_col = tl.where(better, lo + at, best_col)
+                score = z2 + _noise_log2(cols, lo_key, hi_key, FAST_LOG)  # -inf past the split
+            better = score > best  # strict: a lane's earlier (lower) column keeps a tie
+            best = tl.where(better, score, best)
+            best_col = tl.where(better & ok, cols, best_col)
             new_max = tl.maximum(running_max, tl.max(z2, 0))
             base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
-            running_sum = running_sum * tl.exp2(running_max - base) + tl.sum(tl.exp2(z2 - base), 0)
+            lane_sum = lane_sum * tl.exp2(running_max - base) + tl.exp2(z2 - base)
             running_max = new_max
+        top = tl.max(best, 0)
+        # the lowest column among the lanes holding the best score, as torch.argmax; a split of
+        # -inf scores keeps its first column
+        col = tl.min(tl.where(best == top, best_col, 2**31 - 1), 0)
+        col = tl.where(col == 2**31 - 1, start, col)
         out = split * B + row
-        tl.store(best_ptr + out, best)
-        tl.store(col_ptr + out, best_col.to(tl.int32))
+        tl.store(best_ptr + out, top)
+        tl.store(col_ptr + out, col)
         tl.store(max_ptr + out, running_max)
-        tl.store(sum_ptr + out, running_sum)
+        tl.store(sum_ptr + out, tl.sum(lane_sum, 0))
 
     @triton.jit
     def _combine_splits_kernel(
@@ -211,11 +227,13 @@ if triton is not None:
         seed_stride,
         step_stride,
         BLOCK_V: tl.constexpr,
+        FAST_LOG: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         lo_key, hi_key = _row_keys(seeds_ptr, seed_stride, step_ptr, step_stride, row)
-        tl.store(noise_ptr + row * V + cols, _noise_log2(cols, lo_key, hi_key), mask=cols < V)
+        noise = _noise_log2(cols, lo_key, hi_key, FAST_LOG)
+        tl.store(noise_ptr + row * V + cols, noise, mask=cols < V)
 
 
 def _blocks() -> tuple[int, int, int]:
@@ -291,6 +309,7 @@ def sample_tokens_fused(
         BLOCK_V=block_v,
         BLOCKS_PER_SPLIT=blocks_per_split,
         GREEDY=greedy,
+        FAST_LOG=not _interpreting(),
         num_warps=warps,
     )
     _combine_splits_kernel[(B,)](
@@ -326,6 +345,7 @@ def noise_log2(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Ten
         seeds.stride(0),
         step.stride(0) if step.dim() else 0,
         BLOCK_V=block_v,
+        FAST_LOG=not _interpreting(),
     )
     return noise
 
