@@ -12,8 +12,7 @@ pure function of `(seeds[b], step[b], v)`. Why:
 The hash: each row's state for a step is splitmix64 (Steele, Lea, Flood 2014) of its seed and
 step, 64 bits computed once per row; each vocabulary entry's 32 bits are two rounds of the
 `lowbias32` integer hash (C. Wellons' hash-prospector) keyed by the two halves of that state. Only
-the per-entry part runs B x V times, and 32-bit multiplies are what a GPU does cheaply (the fused
-kernel spends ~4x fewer instructions per entry than with a 64-bit hash per entry). 32 bits give
+the per-entry part runs B x V times, and 32-bit multiplies are what a GPU does cheaply. 32 bits give
 the uniform full relative precision down to 2^-32, where the Gumbel tail that lets unlikely tokens
 win comes from. torch has no uint32 arithmetic: the hash runs in int64 and masks to 32 bits.
 Noise is reproducible on one device; CPU and GPU logs differ in the last bits (the fused kernel
