@@ -356,6 +356,38 @@ def test_varlen_attention_is_within_twice_sdpas_low_precision_error(window, dtyp
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_attention_without_autograd_calls_flash_directly_with_the_same_result(
+    dtype, monkeypatch
+):
+    """Under no_grad the flash kernel runs on grouped k/v as they are; with autograd, through
+    `varlen_attn`: the same kernel, so the outputs agree to the last bit or within one rounding
+    (k/v repeated or not), and both are within SDPA's error of the fp32 reference."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    lengths = [37, 1, 128, 64, 300]
+    q = torch.randn(sum(lengths), 14, 64, device="cuda", dtype=dtype, generator=generator)
+    k, v = torch.randn(2, sum(lengths), 2, 64, device="cuda", dtype=dtype, generator=generator)
+    attend = PackedCausalAttention.from_lengths(lengths, "cuda", [None])
+    calls = []
+    direct_call = PackedCausalAttention._flash_forward
+    monkeypatch.setattr(
+        PackedCausalAttention, "_flash_forward", lambda *a: calls.append(1) or direct_call(*a)
+    )
+    with torch.no_grad():
+        direct = attend(0, q, k, v)
+    assert calls == [1]
+    with_grad = attend(0, q.requires_grad_(), k, v).detach()
+    assert calls == [1]  # autograd goes through varlen_attn
+    torch.testing.assert_close(direct, with_grad, atol=2e-3, rtol=0)
+    exact = causal_attention_ref(q.detach().float(), k.float(), v.float(), attend.cu_seqlens)
+    sdpa = PackedCausalAttention(attend.cu_seqlens, attend.max_seqlen, [None], use_varlen=False)
+    with torch.no_grad():
+        base = sdpa(0, q.detach(), k, v).float()
+    assert (direct.float() - exact).norm() <= 2 * (base - exact).norm()
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_bf16_model_on_cuda_is_within_twice_hfs_bf16_error_in_logits_and_gradients():
     hf_config = FAMILIES["qwen3-qknorm-odd-head-dim"]()
     hf_config.head_dim = 16  # so that flash varlen runs: it takes head dims that are multiples of 8
