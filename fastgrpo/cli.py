@@ -23,6 +23,7 @@ examples:
   fastgrpo train
   fastgrpo train configs/gsm8k.yaml --set algo.beta=0.0 --set rollout.num_generations=8
   fastgrpo train --resume runs/default
+  fastgrpo train --profile 2           # Chrome trace of steps 2-3 in runs/default/profile/
   fastgrpo eval --model runs/default --num 200
   fastgrpo config configs/gsm8k.yaml --set train.steps=10
 """
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)",
     )
     train.add_argument("--output-dir", help="shorthand for --set run.output_dir=DIR")
+    train.add_argument(
+        "--profile",
+        type=int,
+        metavar="N",
+        help="record N training steps (after the first, which warms up) with torch.profiler and "
+        "write a Chrome trace to RUN_DIR/profile/; shorthand for --set run.profile_steps=N",
+    )
 
     evaluate = commands.add_parser(
         "eval",
@@ -151,6 +159,10 @@ def run_train(args) -> int:
     from fastgrpo.config import ConfigError
     from fastgrpo.train import load_resume_config, run_training
 
+    if args.output_dir:
+        args.overrides.append(f"run.output_dir={args.output_dir}")
+    if args.profile is not None:
+        args.overrides.append(f"run.profile_steps={args.profile}")
     if args.resume:
         if args.config:
             raise ConfigError(
@@ -158,13 +170,9 @@ def run_train(args) -> int:
             )
         config = load_resume_config(args.resume)
     else:
-        config = _load(args)
-    if args.output_dir:
-        args.overrides.append(f"run.output_dir={args.output_dir}")
+        config = _load(args)  # the overrides are applied here
     result = run_training(
-        config,
-        resume=bool(args.resume),
-        overrides=args.overrides if args.resume or args.output_dir else (),
+        config, resume=bool(args.resume), overrides=args.overrides if args.resume else ()
     )
     before, after = result.eval_before, result.eval_after
     print(

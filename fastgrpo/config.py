@@ -116,6 +116,7 @@ class RunConfig:
     save_every: int = 10  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 2
     progress: bool = True
+    profile_steps: int = 0  # N: trace N steps (after the first) into <output_dir>/profile/
 
 
 def _default_rewards() -> list[Any]:
@@ -336,6 +337,13 @@ _LOWER_BOUNDS = {
     "eval.every_steps": (0, True),
     "run.save_every": (0, True),
     "run.keep_checkpoints": (1, True),
+    "run.profile_steps": (0, True),
+}
+
+# key -> what the value means, added to its range error
+_BOUND_HINTS = {
+    "rollout.num_generations": "GRPO compares samples within a group",
+    "run.profile_steps": "set 0 for no profiling, or N to record N steps with torch.profiler",
 }
 
 
@@ -357,11 +365,7 @@ def validate(config: Config) -> None:
             continue
         if value < low or (value == low and not inclusive):
             relation = ">=" if inclusive else ">"
-            extra = (
-                " (GRPO compares samples within a group)"
-                if key == "rollout.num_generations"
-                else ""
-            )
+            extra = f" ({_BOUND_HINTS[key]})" if key in _BOUND_HINTS else ""
             raise ConfigError(f"'{key}' is {value}; it must be {relation} {low}{extra}.")
     for key in ("rollout.top_p", "algo.epsilon_low"):
         if _get(config, key) > 1.0:

@@ -31,6 +31,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.evaluate import decode_completions, evaluate, reward_columns
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
 from fastgrpo.train.optim import build_optimizer, build_scheduler
+from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.update import update_policy, use_fused_lm_head
 
 log = logging.getLogger("fastgrpo.train")
@@ -44,11 +45,12 @@ class TrainResult:
     eval_after: dict | None = None
     history: list[dict] = field(default_factory=list)
     interrupted: bool = False
+    profile_trace: Path | None = None  # the Chrome trace of run.profile_steps steps, if any
 
 
 @dataclass
 class Trainer:
-    """Everything a step works with, built once by `train`."""
+    """Everything a step works with, built once by `build_trainer`."""
 
     model: object
     ref_model: object | None  # frozen reference; None when beta == 0
@@ -110,6 +112,64 @@ def load_configured_model(config: Config, name: str | None = None):
     )
 
 
+def check_fused_lm_head(config: Config, model) -> None:
+    """A ConfigError now if train.fused_lm_head asks for kernels that cannot run on `model`."""
+    try:
+        use_fused_lm_head(config, model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def build_trainer(
+    config: Config, model, tokenizer, ref_model=None, *, rewards: RewardSet | None = None
+) -> Trainer:
+    """The Trainer for an already-made policy `model` (and, when algo.beta != 0, its frozen
+    reference `ref_model`, None otherwise): sets the model up for training as configured and
+    builds the optimizer, schedule, rewards (default: config.rewards) and stop ids.
+
+    `train` builds its Trainer here; so can a caller with its own models, such as
+    benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
+    """
+    check_fused_lm_head(config, model)
+    if (ref_model is None) != (config.algo.beta == 0):
+        raise ValueError(
+            f"algo.beta={config.algo.beta} needs "
+            + ("a frozen reference model" if ref_model is None else "no reference model (None)")
+        )
+    native = isinstance(model, Transformer)
+    if config.model.gradient_checkpointing and native:
+        model.activation_checkpointing = True
+    elif config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if not native:
+        model.config.use_cache = True
+    if ref_model is not None:
+        ref_model.requires_grad_(False).eval()
+    t = config.train
+    optimizer = build_optimizer(
+        model,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        kind=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps * t.num_iterations * t.mini_batches,
+    )
+    return Trainer(
+        model,
+        ref_model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        rewards if rewards is not None else build_rewards(config),
+        stop_token_ids(tokenizer, model),
+    )
+
+
 def check_run_dir(config: Config, resume: bool) -> Path:
     """The run folder, after making sure a new run would not overwrite an old one."""
     run_dir = Path(config.run.output_dir)
@@ -137,6 +197,7 @@ def load_resume_config(run_dir: str | Path) -> Config:
     data = yaml.safe_load(path.read_text())
     config = config_from_dict(data)
     config.run.output_dir = str(run_dir)
+    config.run.profile_steps = 0  # a profile is asked for per command (--profile), not inherited
     validate(config)
     return config
 
@@ -153,37 +214,15 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     checkpoint = latest_checkpoint(run_dir) if resume else None
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
     model, tokenizer, _ = load_configured_model(config, model_name)
-    try:
-        use_fused_lm_head(config, model)  # fail here, before any rollout, if it cannot run
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-    native = isinstance(model, Transformer)
-    if config.model.gradient_checkpointing and native:
-        model.activation_checkpointing = True
-    elif config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if not native:
-        model.config.use_cache = True
+    check_fused_lm_head(config, model)  # fail here, before loading the reference or any rollout
     ref_model = None
     if config.algo.beta != 0:
         ref_model, _, _ = load_configured_model(config)
-        ref_model.requires_grad_(False).eval()
     sampler = PromptSampler(
         len(task.train), config.rollout.prompts_per_step, seed=config.train.seed
     )
-    optimizer = build_optimizer(
-        model,
-        learning_rate=config.train.learning_rate,
-        weight_decay=config.train.weight_decay,
-        betas=(config.train.adam_beta1, config.train.adam_beta2),
-        eps=config.train.adam_eps,
-    )
-    scheduler = build_scheduler(
-        optimizer,
-        kind=config.train.lr_scheduler,
-        warmup_steps=config.train.warmup_steps,
-        total_steps=config.train.steps * config.train.num_iterations * config.train.mini_batches,
-    )
+    trainer = build_trainer(config, model, tokenizer, ref_model, rewards=rewards)
+    optimizer, scheduler = trainer.optimizer, trainer.scheduler
     step = 0
     if checkpoint is not None:
         state = load_trainer_state(checkpoint)
@@ -194,12 +233,12 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         step = state["step"]
 
     write_run_config(run_dir, config)  # only now: bad settings above leave no trace behind
-    trainer = Trainer(
-        model, ref_model, tokenizer, optimizer, scheduler, rewards, stop_token_ids(tokenizer, model)
-    )
     result = TrainResult(run_dir=run_dir, steps=step)
     metrics = MetricsLog(
         run_dir, total_steps=config.train.steps, start_step=step, show_progress=config.run.progress
+    )
+    profiler = StepProfiler(
+        run_dir, profiled_steps(config.run.profile_steps, step, config.train.steps), model.device
     )
     evaluate_now = _evaluator(config, trainer, task, metrics)
     if config.eval.before and step == 0:
@@ -210,8 +249,11 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     try:
         while step < config.train.steps and not stop.requested:
             examples = [task.train[i] for i in sampler.next_batch()]
-            record = grpo_step(config, trainer, examples)
+            with profiler.step(step + 1):
+                record = grpo_step(config, trainer, examples)
             step += 1
+            if step == profiler.last:
+                _report_trace(result, metrics, profiler.finish())
             record["step"] = step
             metrics.log(record)
             result.history.append(record)
@@ -246,12 +288,19 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
                     )
     finally:
         stop.restore()
+        _report_trace(result, metrics, profiler.finish())  # stopped early: what was recorded
     result.steps = step
     result.interrupted = stop.requested
     if config.eval.after and not stop.requested and step == config.train.steps:
         result.eval_after = evaluate_now(step, "after")
     metrics.close()
     return result
+
+
+def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -> None:
+    if path is not None:
+        result.profile_trace = path
+        metrics.write(f"profile: wrote {path} (open it in https://ui.perfetto.dev)")
 
 
 def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog):
@@ -322,49 +371,39 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
     """One GRPO step on a batch of prompts; returns its metrics."""
     model, tokenizer, rewards = trainer.model, trainer.tokenizer, trainer.rewards
     r, a = config.rollout, config.algo
-    times: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        now = time.perf_counter()
-        times[f"time/{name}"] = now - clock
-        clock = now
-
+    timer = PhaseTimer(model.device)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
-    step_start = clock
-    texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
-    rollout = generate_rollout(
-        model,
-        tokenizer,
-        texts,
-        num_generations=r.num_generations,
-        max_new_tokens=r.max_new_tokens,
-        stop_ids=trainer.stop_ids,
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        with_sampling_logp=a.importance_sampling_correction,
-    )
-    lap("rollout")
+    step_start = time.perf_counter()
+    with timer("rollout"):
+        texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
+        rollout = generate_rollout(
+            model,
+            tokenizer,
+            texts,
+            num_generations=r.num_generations,
+            max_new_tokens=r.max_new_tokens,
+            stop_ids=trainer.stop_ids,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            with_sampling_logp=a.importance_sampling_correction,
+        )
 
-    completions = decode_completions(tokenizer, rollout)
-    prompts = [ex.prompt for ex in examples for _ in range(r.num_generations)]
-    columns = reward_columns(examples, r.num_generations)
-    scored = rewards(prompts, completions, columns)
-    reward = torch.tensor(scored.total, dtype=torch.float32, device=model.device)  # (B,)
-    accuracy = sum(math_accuracy(prompts, completions, **columns)) / len(completions)
-    advantages = group_advantages(
-        reward, r.num_generations, scale=a.scale_rewards, baseline=a.baseline
-    )  # (B,)
-    lap("reward")
+    with timer("reward"):
+        completions = decode_completions(tokenizer, rollout)
+        prompts = [ex.prompt for ex in examples for _ in range(r.num_generations)]
+        columns = reward_columns(examples, r.num_generations)
+        scored = rewards(prompts, completions, columns)
+        reward = torch.tensor(scored.total, dtype=torch.float32, device=model.device)  # (B,)
+        accuracy = sum(math_accuracy(prompts, completions, **columns)) / len(completions)
+        advantages = group_advantages(
+            reward, r.num_generations, scale=a.scale_rewards, baseline=a.baseline
+        )  # (B,)
 
     if a.mask_truncated_completions:  # a cut-off answer teaches nothing reliable: leave it out
         rollout.completion_mask = rollout.completion_mask * rollout.finished.unsqueeze(1)
-    update_metrics = update_policy(config, trainer, rollout, advantages, times)
+    update_metrics = update_policy(config, trainer, rollout, advantages, timer)
 
     lengths = rollout.lengths
     record = {
@@ -380,7 +419,7 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
         "completion/truncated_frac": (~rollout.finished).float().mean().item(),
         **update_metrics,
         "lr": trainer.scheduler.get_last_lr()[0],
-        **times,
+        **timer.times,
     }
     step_time = time.perf_counter() - step_start
     record["time/step"] = step_time

@@ -8,7 +8,6 @@ loss normalisers, so the update is the one the whole batch would give.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from fastgrpo.train.logprobs import (
     trim_padding,
     unpack,
 )
+from fastgrpo.train.profiling import PhaseTimer
 
 PER_TOKEN_SETTINGS = (
     "loss_type",
@@ -169,8 +169,12 @@ def fused_micro_batch_loss(
     return loss, parts
 
 
-def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) -> dict:
-    """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics."""
+def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: PhaseTimer) -> dict:
+    """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics.
+
+    `timer` gets the phases reference, old_logprobs, update (forward and backward passes) and
+    optimizer (gradient clipping, AdamW and schedule steps, summed over the optimizer steps).
+    """
     a, t, r = config.algo, config.train, config.rollout
     model, ref_model, optimizer, scheduler = (
         trainer.model,
@@ -185,59 +189,52 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) 
     zero_grad_possible = a.beta == 0 and a.entropy_coef == 0
     needs_old = t.num_iterations > 1 or t.mini_batches > 1
     minis = []
-    clock = time.perf_counter()
-    for m in range(t.mini_batches):
-        index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
-        sub = rollout.rows(index)
-        num_tokens = sub.completion_mask.sum().clamp(min=1)
-        active = (advantages[index] != 0) | (not zero_grad_possible)  # rows that move the weights
-        micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
-        minis.append((micro, per_mini, num_tokens))
-    with torch.no_grad():
-        for micro, _, _ in minis:
-            for mb in micro:
-                if ref_model is not None:
-                    mb.ref_logp, _ = completion_logprobs(
-                        ref_model, mb.rollout, temperature=r.temperature, fused=fused
-                    )
-    times["time/reference"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    if needs_old:
+    with timer("reference"):  # the micro-batch plan is timed here too
+        for m in range(t.mini_batches):
+            index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
+            sub = rollout.rows(index)
+            num_tokens = sub.completion_mask.sum().clamp(min=1)
+            active = (advantages[index] != 0) | (not zero_grad_possible)  # rows that move weights
+            micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
+            minis.append((micro, per_mini, num_tokens))
         with torch.no_grad():
+            for micro, _, _ in minis:
+                for mb in micro:
+                    if ref_model is not None:
+                        mb.ref_logp, _ = completion_logprobs(
+                            ref_model, mb.rollout, temperature=r.temperature, fused=fused
+                        )
+    with timer("old_logprobs"), torch.no_grad():
+        if needs_old:
             for micro, _, _ in minis:
                 for mb in micro:
                     mb.old_logp, _ = completion_logprobs(
                         model, mb.rollout, temperature=r.temperature, fused=fused
                     )
-    times["time/old_logprobs"] = time.perf_counter() - clock
 
-    clock = time.perf_counter()
     totals: dict[str, float] = {}  # token-weighted sums of the loss's metrics
     weight_sum = 0.0
     loss_sum = 0.0  # sum of micro-batch losses = sum of the optimizer steps' losses
     grad_norms = []
     model.train()
-    for _ in range(t.num_iterations):
-        for micro, num_sequences, num_tokens in minis:
-            optimizer.zero_grad(set_to_none=True)
-            for mb in micro:
-                step_loss = fused_micro_batch_loss if fused else micro_batch_loss
-                loss, parts = step_loss(config, model, mb, num_sequences, num_tokens, settings)
-                loss.backward()
-                loss_sum += float(loss.detach())
-                tokens = mb.rollout.completion_mask.sum().item()
-                weight_sum += tokens
-                for name, value in parts.items():
-                    totals[name] = totals.get(name, 0.0) + float(value) * tokens
-            if t.max_grad_norm > 0:
-                params = [p for p in model.parameters() if p.grad is not None]
-                if params:
-                    grad_norms.append(
-                        float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm))
-                    )
-            optimizer.step()
-            scheduler.step()
-    times["time/update"] = time.perf_counter() - clock
+    with timer("update"):
+        for _ in range(t.num_iterations):
+            for micro, num_sequences, num_tokens in minis:
+                optimizer.zero_grad(set_to_none=True)
+                for mb in micro:
+                    step_loss = fused_micro_batch_loss if fused else micro_batch_loss
+                    loss, parts = step_loss(config, model, mb, num_sequences, num_tokens, settings)
+                    if loss.requires_grad:  # False when every token is masked (all truncated)
+                        loss.backward()
+                    loss_sum += float(loss.detach())
+                    tokens = mb.rollout.completion_mask.sum().item()
+                    weight_sum += tokens
+                    for name, value in parts.items():
+                        totals[name] = totals.get(name, 0.0) + float(value) * tokens
+                with timer("optimizer"):
+                    norm = _optimizer_step(model, optimizer, scheduler, t.max_grad_norm)
+                if norm is not None:
+                    grad_norms.append(norm)
     out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {}
     out["loss"] = loss_sum / (t.num_iterations * t.mini_batches)  # mean over optimizer steps
     if grad_norms:
@@ -246,6 +243,18 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, times) 
         sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
     )
     return out
+
+
+def _optimizer_step(model, optimizer, scheduler, max_grad_norm: float) -> float | None:
+    """Clip the gradients (max_grad_norm > 0), step AdamW and the schedule; the gradient norm."""
+    norm = None
+    if max_grad_norm > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if params:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    optimizer.step()
+    scheduler.step()
+    return norm
 
 
 def _micro_batches(sub: Rollout, advantages, active, token_budget: int) -> list[MicroBatch]:

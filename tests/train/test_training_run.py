@@ -117,7 +117,10 @@ def test_cli_train_runs_end_to_end_and_writes_metrics_checkpoint_and_eval(
         "completion/mean_length",
         "frac_zero_std_groups",
         "time/rollout",
+        "time/reward",
+        "time/reference",
         "time/update",
+        "time/optimizer",
         "tokens_per_s",
         "peak_memory_gib",
     ):

@@ -1,0 +1,440 @@
+"""One whole GRPO step, end to end: fastgrpo's trainer, and Hugging Face TRL's GRPOTrainer.
+
+Workload as in issue 5 and PERFORMANCE.md ("End to end"): Qwen2.5-0.5B shape (or --shape 1.5B),
+random weights (bf16 on a GPU, fp32 on the CPU), 8 prompts x 8 completions, prompt 128 tokens,
+every completion forced to 256 tokens, one optimizer update per rollout (num_iterations 1, one
+mini-batch), beta 0.04 (a frozen reference model scores every completion), no gradient
+checkpointing, AdamW.
+
+What is timed is what users run: `grpo_step` of `fastgrpo.train.loop` on a Trainer made by
+`build_trainer`, as `fastgrpo train` makes it; only the models (random weights) and the tokenizer
+come from here.
+
+Forced lengths. The tokenizer is synthetic: the words "t0" .. "t{V-1}" are the model's V token ids,
+and its one special token (EOS and pad) has id V, which the model cannot sample: its logits have
+V entries. No completion stops early, so every method does the same work (bench_rollout.py forces
+lengths the same way, with a stop id of V). Prompts are random words, 128 tokens each, with no chat
+template; completions are decoded to text for the rewards, as in a real run. TRL gets the same
+tokenizer, whose EOS id TRL gives `generate`, so its completions are forced the same way.
+
+Reward. The reward hashes the completion text to [0, 1): distinct completions get distinct
+rewards (almost surely), so within every group the rewards differ and every advantage is
+non-zero. With ties, the work of a step would depend on luck: at beta 0 the trainer leaves
+zero-advantage rows out of the update, and the fused LM-head backward skips rows whose gradient
+is zero. Here every row is trained, as in TRL, which never skips.
+
+TRL (--trl, when `trl` and `datasets` import): GRPOTrainer on a Qwen2ForCausalLM of the same shape
+and weight distribution, saved to a temporary folder from which TRL loads the policy and the
+reference; per-device batch x gradient accumulation = all rows, so one generation and one
+optimizer step per TRL step, as here; TRL's defaults changed to match: loss_type "grpo" (not
+"dapo"), no gradient checkpointing, constant learning rate; bf16 autocast. Its step time is the
+wall time between TRL's step ends. Seen working on the CPU with trl 1.16.0 and datasets 4.8.0
+(datasets 5.2.0's Dataset.from_dict failed there, on Python 3.11, pickling pyarrow's MonthDayNano).
+
+Reported per method: seconds per step (median of the timed steps, after warm-up steps that pay
+for allocation, Triton compilation and CUDA graph capture), completion tokens/s, fastgrpo's
+phases (its time/* step metrics, medians), and peak GPU memory (torch.cuda.max_memory_allocated,
+less what the process held before the method started). Prints a table, then one JSON line.
+
+Run on a CUDA GPU:  python benchmarks/bench_step.py [--shape 1.5B] [--trl]
+Smoke test on CPU:  python benchmarks/bench_step.py --tiny --device cpu --steps 1 --warmup 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_rollout import SHAPES as ROLLOUT_SHAPES  # noqa: E402
+
+from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
+from fastgrpo.data import Example  # noqa: E402
+from fastgrpo.models.transformer import ModelConfig, Transformer  # noqa: E402
+from fastgrpo.train.loop import build_trainer, grpo_step  # noqa: E402
+
+SHAPES = {
+    "0.5B": ROLLOUT_SHAPES["0.5B"],
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(  # --tiny: a smoke test of the whole benchmark in seconds on a CPU
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    ),
+}
+END = "<|endoftext|>"  # EOS and pad; its id, the vocabulary size, is one the model cannot sample
+PHASES = ("rollout", "reward", "reference", "old_logprobs", "update", "optimizer")
+
+
+def distinct_reward(prompts, completions, **columns) -> list[float]:
+    """A deterministic hash of each completion's text, in [0, 1): distinct texts, distinct
+    rewards, so no group has ties and no advantage is zero (see the module docstring)."""
+    digests = (hashlib.blake2b(text.encode(), digest_size=8).digest() for text in completions)
+    return [int.from_bytes(d, "big") / 2**64 for d in digests]
+
+
+def hf_config(shape):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Small random weights (norms at 1), as bench_rollout.py uses: activations stay finite."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0, 0.02)
+
+
+def native_model(shape, device, dtype) -> Transformer:
+    """A native transformer with the weights of seed 0, packed as load_native_model packs them."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(ModelConfig.from_hf(hf_config(shape))).to(dtype)
+    randomize(model)
+    if device.type == "cuda":  # one GEMM for q/k/v and for gate/up in rollouts
+        model.pack_projections()
+    return model
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """Words "t0" .. "t{V-1}" are ids 0 .. V-1, split on whitespace; END (id V) is EOS and pad."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab_size)}
+    words[END] = vocab_size
+    core = Tokenizer(models.WordLevel(vocab=words, unk_token=END))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=END, pad_token=END, unk_token=END
+    )
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def random_prompts(count: int, length: int, vocab_size: int, tokenizer) -> list[str]:
+    """`count` prompts of `length` random words; each is exactly `length` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
+    texts = [" ".join(f"t{i}" for i in row) for row in ids]
+    lengths = {len(row) for row in tokenizer(texts, add_special_tokens=False)["input_ids"]}
+    assert lengths == {length}, lengths
+    return texts
+
+
+def step_config(args) -> Config:
+    """The trainer's settings for this workload; everything else is fastgrpo's default."""
+    config = Config()
+    config.rollout.prompts_per_step = args.prompts
+    config.rollout.num_generations = args.samples
+    config.rollout.max_new_tokens = args.completion_len
+    config.rollout.temperature = 1.0
+    config.algo.beta = args.beta
+    config.train.num_iterations = 1
+    config.train.mini_batches = 1
+    config.train.micro_batch_tokens = args.micro_batch_tokens
+    config.train.steps = args.warmup + args.steps
+    config.model.gradient_checkpointing = False
+    config.rewards = [{"function": distinct_reward}]
+    validate(config)
+    return config
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_baseline(device) -> int:
+    """Bytes held now (other methods' leftovers); the peak counter restarts from here."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_gib(device, baseline: int) -> float | None:
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
+
+
+def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
+    baseline = memory_baseline(device)
+    config = step_config(args)
+    model = native_model(args.shape, device, dtype)
+    ref_model = native_model(args.shape, device, dtype) if args.beta else None
+    trainer = build_trainer(config, model, tokenizer, ref_model)
+    examples = [Example(prompt=text, answer="0") for text in prompts]
+    torch.manual_seed(0)
+    seconds, records = [], []
+    for _ in range(args.warmup + args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        records.append(grpo_step(config, trainer, examples))
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    timed = records[args.warmup :]
+    peak = None
+    if device.type == "cuda":  # grpo_step restarts the peak counter as each step starts
+        peak = max(r["peak_memory_gib"] for r in timed) - baseline / 2**30
+    row = summary(
+        "fastgrpo",
+        seconds[args.warmup :],
+        [r["completion/mean_length"] * len(examples) * args.samples for r in timed],
+        peak,
+        lengths=(
+            min(r["completion/min_length"] for r in timed),
+            max(r["completion/max_length"] for r in timed),
+        ),
+    )
+    row["phases"] = {p: statistics.median(r[f"time/{p}"] for r in timed) for p in PHASES}
+    row["zero_std_groups"] = max(r["frac_zero_std_groups"] for r in timed)
+    del trainer, model, ref_model
+    return row
+
+
+def summary(method, seconds, tokens, peak, *, lengths) -> dict:
+    median = statistics.median(seconds)
+    return {
+        "method": method,
+        "seconds_per_step": median,
+        "step_seconds": seconds,
+        "completion_tokens_per_s": statistics.median(tokens) / median,
+        "peak_memory_gib": peak,
+        "completion_length": [int(n) for n in lengths],
+    }
+
+
+def trl_batch_rows(args) -> int:
+    """TRL's per-device batch: the largest divisor of the step's rows that fits the token budget
+    fastgrpo's micro-batches use, so both accumulate gradients over similar micro-batches."""
+    rows = args.prompts * args.samples
+    fits = max(1, args.micro_batch_tokens // (args.prompt_len + args.completion_len))
+    return max(d for d in range(1, rows + 1) if rows % d == 0 and d <= fits)
+
+
+def run_trl(args, device, dtype, tokenizer, prompts) -> dict | None:
+    """TRL's GRPOTrainer on the same workload: one optimizer step per generation of all rows."""
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as error:
+        print(f"note: TRL left out ({error}); `pip install trl` to compare")
+        return None
+    baseline = memory_baseline(device)
+    with tempfile.TemporaryDirectory(prefix="bench_step_trl_") as folder:
+        return trl_steps(args, device, dtype, tokenizer, prompts, Path(folder), baseline)
+
+
+def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: int) -> dict:
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, Qwen2ForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    with torch.device(device):  # TRL loads the policy and the reference from a folder
+        model = Qwen2ForCausalLM(hf_config(args.shape)).to(dtype)  # no EOS id of its own
+    randomize(model)
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    del model
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []  # after each step (and at the start)
+
+        def on_train_begin(self, *_, **__):
+            synchronize(device)
+            self.ends.append(time.perf_counter())
+
+        def on_step_end(self, trainer_args, state, control, **__):
+            synchronize(device)
+            self.ends.append(time.perf_counter())
+            if state.global_step == args.warmup and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+    rows = trl_batch_rows(args)
+    config = GRPOConfig(
+        output_dir=str(folder / "out"),
+        model_init_kwargs={"dtype": str(dtype).removeprefix("torch.")},
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=args.prompts * args.samples // rows,  # one update per rollout
+        num_generations=args.samples,
+        max_completion_length=args.completion_len,
+        num_iterations=1,
+        beta=args.beta,
+        loss_type="grpo",
+        temperature=1.0,
+        learning_rate=TrainConfig.learning_rate,
+        lr_scheduler_type="constant",
+        adam_beta2=TrainConfig.adam_beta2,
+        gradient_checkpointing=False,
+        bf16=dtype == torch.bfloat16,
+        use_cpu=device.type == "cpu",
+        cache_implementation=args.trl_cache,
+        max_steps=args.warmup + args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=str(folder / "model"),
+        reward_funcs=[distinct_reward],
+        args=config,
+        # every step's prompts in one epoch: no epoch boundaries between the steps
+        train_dataset=Dataset.from_dict({"prompt": prompts * (args.warmup + args.steps)}),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.remove_callback(PrinterCallback)  # its per-step log lines would bury the table
+    assert not trainer.args.gradient_checkpointing  # TRL's default is on
+    trainer.train()
+    steps = [(b - a) for a, b in zip(clock.ends, clock.ends[1:])][args.warmup :]
+    logs = [entry for entry in trainer.state.log_history if "completions/min_length" in entry]
+    logs = logs[args.warmup :]
+    row = summary(
+        "TRL GRPOTrainer" + (f", {args.trl_cache} cache" if args.trl_cache else ""),
+        steps,
+        [e["completions/mean_length"] * args.prompts * args.samples for e in logs],
+        peak_gib(device, baseline),
+        lengths=(
+            min(e["completions/min_length"] for e in logs),
+            max(e["completions/max_length"] for e in logs),
+        ),
+    )
+    row["zero_std_groups"] = max(e.get("frac_reward_zero_std", 0.0) for e in logs)
+    row["trl"] = trl.__version__
+    row["per_device_train_batch_size"] = rows
+    del trainer
+    return row
+
+
+def commit() -> str | None:
+    if os.environ.get("FASTGRPO_COMMIT"):
+        return os.environ["FASTGRPO_COMMIT"]
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    )
+    return out.stdout.strip() or None
+
+
+def print_table(results, forced: int) -> None:
+    print(
+        f"{'method':<28} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9}  "
+        + " ".join(f"{p:>12}" for p in PHASES)
+    )
+    for r in results:
+        peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
+        phases = r.get("phases", {})
+        cells = " ".join(f"{phases[p]:>12.4f}" if p in phases else f"{'-':>12}" for p in PHASES)
+        print(
+            f"{r['method']:<28} {r['seconds_per_step']:>8.3f} "
+            f"{r['completion_tokens_per_s']:>9,.0f} {peak:>9}  {cells}"
+        )
+        if r["completion_length"] != [forced, forced]:
+            print(f"  warning: completion lengths {r['completion_length']}, not all {forced}")
+    if len(results) == 2:
+        ratio = results[1]["seconds_per_step"] / results[0]["seconds_per_step"]
+        print(f"{results[1]['method']} takes {ratio:.2f}x the time of {results[0]['method']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("0.5B", "1.5B"), default="0.5B")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--completion-len", type=int, default=256, help="forced length")
+    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no ref)")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=TrainConfig.micro_batch_tokens,
+        help="train.micro_batch_tokens (default: fastgrpo's default)",
+    )
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer")
+    parser.add_argument(
+        "--trl-cache", choices=("static",), help="TRL's cache_implementation for generate"
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        args.shape = "tiny"
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vocab = SHAPES[args.shape]["vocab_size"]
+    tokenizer = synthetic_tokenizer(vocab)
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
+
+    results = [run_fastgrpo(args, device, dtype, tokenizer, prompts)]
+    if args.trl:
+        trl_row = run_trl(args, device, dtype, tokenizer, prompts)
+        if trl_row is not None:
+            results.append(trl_row)
+    print_table(results, args.completion_len)
+    workload = {
+        "shape": args.shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "prompt_len": args.prompt_len,
+        "completion_len": args.completion_len,
+        "beta": args.beta,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    print(
+        json.dumps(
+            {
+                "bench": "step",
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "commit": commit(),
+                "workload": workload,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
