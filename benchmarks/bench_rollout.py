@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,15 @@ SHAPES = {
         vocab_size=151936,
         tie_word_embeddings=True,
     ),
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     "7B": dict(
         hidden_size=3584,
         intermediate_size=18944,
@@ -49,6 +59,15 @@ SHAPES = {
         num_key_value_heads=4,
         vocab_size=152064,
         tie_word_embeddings=False,
+    ),
+    "tiny": dict(  # bench_step.py --tiny: a smoke test of a whole benchmark in seconds on a CPU
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        tie_word_embeddings=True,
     ),
 }
 PARAMS = SamplingParams(temperature=1.0)
@@ -60,17 +79,52 @@ def hf_config(shape):
     return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
 
 
-def native_model(shape):
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Transformer(ModelConfig.from_hf(hf_config(shape))).to(torch.bfloat16)
-    for name, p in model.named_parameters():  # small random weights: activations stay finite
+def randomize(model: torch.nn.Module) -> None:
+    """Small random weights (norms at 1): activations stay finite."""
+    for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             p.data.normal_(0, 0.02)
-    model.pack_projections()  # as load_native_model does on a GPU
-    return model.eval()
+
+
+def random_native_model(shape, device="cuda", dtype=torch.bfloat16) -> Transformer:
+    """A native transformer of SHAPES[shape] with the random weights of seed 0, its projections
+    packed on a GPU as load_native_model packs them."""
+    torch.manual_seed(0)
+    device = torch.device(device)
+    with device:
+        model = Transformer(ModelConfig.from_hf(hf_config(shape))).to(dtype)
+    randomize(model)
+    if device.type == "cuda":  # one GEMM for q/k/v and for gate/up in rollouts
+        model.pack_projections()
+    return model
+
+
+def native_model(shape):
+    return random_native_model(shape).eval()
+
+
+def commit() -> str:
+    """The commit measured: FASTGRPO_COMMIT (set it where the checkout has no .git), else git's."""
+    if os.environ.get("FASTGRPO_COMMIT"):
+        return os.environ["FASTGRPO_COMMIT"]
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def print_result_line(bench: str, results: list, device=None, **fields) -> None:
+    """The final JSON line of a benchmark: what ran where (GPU, torch, commit), `fields`, results.
+    `device` is the one measured (default: the current CUDA device, or the CPU without one)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    line = dict(bench=bench, gpu=gpu, torch=torch.__version__, commit=commit(), **fields)
+    print(json.dumps({**line, "results": results}))
 
 
 def hf_model(ours, shape):
@@ -245,18 +299,7 @@ def main():
         ):
             torch.cuda.empty_cache()  # the previous workload's model is gone
             results += workload()
-    print(
-        json.dumps(
-            {
-                "bench": "rollout",
-                "gpu": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-                "commit": os.environ.get("FASTGRPO_COMMIT", "unknown"),
-                "copy_bandwidth_tb_s": bandwidth / 1e12,
-                "results": results,
-            }
-        )
-    )
+    print_result_line("rollout", results, copy_bandwidth_tb_s=bandwidth / 1e12)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,34 +56,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_rollout import SHAPES as ROLLOUT_SHAPES  # noqa: E402
+from bench_rollout import (  # noqa: E402
+    SHAPES,
+    hf_config,
+    print_result_line,
+    random_native_model,
+    randomize,
+)
 
 from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
 from fastgrpo.data import Example  # noqa: E402
-from fastgrpo.models.transformer import ModelConfig, Transformer  # noqa: E402
 from fastgrpo.train.loop import build_trainer, grpo_step  # noqa: E402
 
-SHAPES = {
-    "0.5B": ROLLOUT_SHAPES["0.5B"],
-    "1.5B": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(  # --tiny: a smoke test of the whole benchmark in seconds on a CPU
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        tie_word_embeddings=True,
-    ),
-}
 END = "<|endoftext|>"  # EOS and pad; its id, the vocabulary size, is one the model cannot sample
 PHASES = ("rollout", "reward", "reference", "old_logprobs", "update", "optimizer")
 
@@ -96,32 +77,6 @@ def distinct_reward(prompts, completions, **columns) -> list[float]:
     rewards, so no group has ties and no advantage is zero (see the module docstring)."""
     digests = (hashlib.blake2b(text.encode(), digest_size=8).digest() for text in completions)
     return [int.from_bytes(d, "big") / 2**64 for d in digests]
-
-
-def hf_config(shape):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**SHAPES[shape], rope_theta=1e6, max_position_embeddings=32768)
-
-
-def randomize(model: torch.nn.Module) -> None:
-    """Small random weights (norms at 1), as bench_rollout.py uses: activations stay finite."""
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0, 0.02)
-
-
-def native_model(shape, device, dtype) -> Transformer:
-    """A native transformer with the weights of seed 0, packed as load_native_model packs them."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(ModelConfig.from_hf(hf_config(shape))).to(dtype)
-    randomize(model)
-    if device.type == "cuda":  # one GEMM for q/k/v and for gate/up in rollouts
-        model.pack_projections()
-    return model
 
 
 def synthetic_tokenizer(vocab_size: int):
@@ -192,8 +147,8 @@ def peak_gib(device, baseline: int) -> float | None:
 def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
     baseline = memory_baseline(device)
     config = step_config(args)
-    model = native_model(args.shape, device, dtype)
-    ref_model = native_model(args.shape, device, dtype) if args.beta else None
+    model = random_native_model(args.shape, device, dtype)
+    ref_model = random_native_model(args.shape, device, dtype) if args.beta else None
     trainer = build_trainer(config, model, tokenizer, ref_model)
     examples = [Example(prompt=text, answer="0") for text in prompts]
     torch.manual_seed(0)
@@ -344,15 +299,6 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
     return row
 
 
-def commit() -> str | None:
-    if os.environ.get("FASTGRPO_COMMIT"):
-        return os.environ["FASTGRPO_COMMIT"]
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    )
-    return out.stdout.strip() or None
-
-
 def print_table(results, forced: int) -> None:
     print(
         f"{'method':<28} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9}  "
@@ -422,18 +368,7 @@ def main():
         "steps": args.steps,
         "warmup": args.warmup,
     }
-    print(
-        json.dumps(
-            {
-                "bench": "step",
-                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "torch": torch.__version__,
-                "commit": commit(),
-                "workload": workload,
-                "results": results,
-            }
-        )
-    )
+    print_result_line("step", results, device=device, workload=workload)
 
 
 if __name__ == "__main__":

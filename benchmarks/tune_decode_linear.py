@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_rollout import copy_bandwidth  # noqa: E402
+from bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
 
 from fastgrpo.kernels import decode_linear  # noqa: E402
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_triton  # noqa: E402
@@ -230,18 +228,7 @@ def main():
                 flush=True,
             )
             torch.cuda.empty_cache()
-    print(
-        json.dumps(
-            {
-                "bench": "tune_decode_linear",
-                "gpu": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-                "commit": os.environ.get("FASTGRPO_COMMIT", "unknown"),
-                "copy_bandwidth_tb_s": bandwidth / 1e12,
-                "results": results,
-            }
-        )
-    )
+    print_result_line("tune_decode_linear", results, copy_bandwidth_tb_s=bandwidth / 1e12)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_rollout import copy_bandwidth  # noqa: E402
+from bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
 from tune_decode_linear import LAYERS, time_per_call  # noqa: E402
 
 from fastgrpo.kernels.sample_tokens import _blocks, sample_tokens_fused  # noqa: E402
@@ -70,18 +68,7 @@ def main():
             f"  best {row['best_us']:6.2f} {row['best']}",
             flush=True,
         )
-    print(
-        json.dumps(
-            {
-                "bench": "tune_sampler",
-                "gpu": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-                "commit": os.environ.get("FASTGRPO_COMMIT", "unknown"),
-                "copy_bandwidth_tb_s": bandwidth / 1e12,
-                "results": results,
-            }
-        )
-    )
+    print_result_line("tune_sampler", results, copy_bandwidth_tb_s=bandwidth / 1e12)
 
 
 if __name__ == "__main__":
