@@ -169,9 +169,9 @@ if triton is not None:
                 score = x
             else:
                 score = z2 + _noise_log2(cols, lo_key, hi_key, FAST_LOG)  # -inf past the split
-            better = score > best  # strict: a lane's earlier (lower) column keeps a tie
-            best = tl.where(better, score, best)
-            best_col = tl.where(better & ok, cols, best_col)
+            better = score > best  # strict: a lane's earlier (lower) column keeps a tie; never
+            best = tl.where(better, score, best)  # past the split, where the score is -inf
+            best_col = tl.where(better, cols, best_col)
             new_max = tl.maximum(running_max, tl.max(z2, 0))
             base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
             lane_sum = lane_sum * tl.exp2(running_max - base) + tl.exp2(z2 - base)
