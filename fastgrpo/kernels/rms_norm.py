@@ -1,4 +1,5 @@
-"""Residual add and RMSNorm in one kernel, for the model's no-grad (rollout) path.
+"""Residual add and RMSNorm in one kernel, for the model's no-grad (rollout) path, and with a
+backward kernel for training.
 
 What: `add_rms_norm(x, residual, weight, eps)` returns (normed, new_residual) with
 new_residual = x + residual rounded to x's dtype, exactly as the model's `x = x + attn_out`, and
@@ -20,7 +21,17 @@ after the weight multiply rounds again; measured on the H100). The mean is that
 sum times fp32(1 / n), as torch's CUDA mean computes it; rsqrt is libdevice's `__nv_rsqrtf`, the
 `rsqrtf` torch calls (numpy's 1 / sqrt in the interpreter).
 
-Reference: `add_rms_norm_ref`, written with the model's own `RMSNorm` arithmetic.
+Training: `add_rms_norm_train` is the same forward (bitwise; it also stores each row's fp32
+rstd) under an autograd.Function, where autograd of the PyTorch code runs a chain of small kernels
+forward and back. Its backward is one kernel over tiles of rows plus a small sum: with r the new
+residual, n = r * rstd and dn = d_normed * weight, g = d_new_residual + rstd * (dn - n * mean(dn *
+n)) in fp32, rounded once to x's dtype, is the gradient of both x and residual (the forward's
+rounding of n before the weight multiply is taken as identity there, as autograd's chain does up
+to its own roundings); d weight is the sum over rows of d_normed * n rounded as the forward rounds
+it, in fp32 parts per program added up by `.sum(0)`: deterministic, no atomics.
+
+Reference: `add_rms_norm_ref`, written with the model's own `RMSNorm` arithmetic, and
+`add_rms_norm_backward_ref`, the closed form of its gradients.
 """
 
 from __future__ import annotations
@@ -62,14 +73,41 @@ def add_rms_norm_ref(
     weight: torch.Tensor,  # (H,)
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed (..., H), new_residual (..., H)) by PyTorch ops, as the model computes them."""
+    """(normed (..., H), new_residual (..., H)) by PyTorch ops, as the model computes them. fp64
+    inputs stay in fp64 (where the model's `.float()` would round them), so that the tests' float64
+    reference is one."""
     if isinstance(x, SplitSums):
         x = x.total()
     if residual is not None:
         x = residual + x  # (..., H), the model's `x = x + sublayer(x)`
-    x32 = x.float()
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # the model's x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype), x
+
+
+def add_rms_norm_backward_ref(
+    d_normed: torch.Tensor,  # (T, H) promote(weight, x) dtype
+    d_new_residual: torch.Tensor | None,  # (T, H) x's dtype
+    new_residual: torch.Tensor,  # (T, H) x's dtype
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g (T, H) x's dtype, d weight (H,) weight's dtype): the gradients of `add_rms_norm_ref` by
+    the closed form the backward kernel evaluates, in fp32 (fp64 for fp64 inputs). g is the
+    gradient of both x and residual. With r the new residual, n = r * rstd and dn = d_normed * w:
+    g = d_new_residual + rstd * (dn - n * mean(dn * n)), d weight = sum over rows of
+    d_normed * n rounded to x's dtype (as the forward multiplies the weight by the rounded n)."""
+    acc = torch.promote_types(new_residual.dtype, torch.float32)
+    r = new_residual.to(acc)  # (T, H)
+    rstd = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)  # (T, 1)
+    n = r * rstd  # (T, H)
+    dy = d_normed.to(acc)  # (T, H)
+    dn = dy * weight.to(acc)  # (T, H)
+    g = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))  # (T, H)
+    if d_new_residual is not None:
+        g = g + d_new_residual.to(acc)
+    d_weight = (dy * n.to(new_residual.dtype).to(acc)).sum(0)  # (H,)
+    return g.to(new_residual.dtype), d_weight.to(weight.dtype)
 
 
 if triton is not None:
@@ -88,12 +126,14 @@ if triton is not None:
         w_ptr,  # (H,)
         out_ptr,  # (R, H) contiguous, promote(weight, x) dtype
         new_res_ptr,  # (R, H) contiguous, x's dtype; unused without HAS_RESIDUAL
+        rstd_ptr,  # (R,) fp32: each row's 1 / sqrt(mean square + eps); unused without STORE_RSTD
         stride_x,
         stride_r,
         H,
         inv_h,  # fp32(1 / H)
         eps,
         HAS_RESIDUAL: tl.constexpr,
+        STORE_RSTD: tl.constexpr,  # for the backward (`add_rms_norm_train`)
         SPLITS: tl.constexpr,  # 0: x is the rows; S > 0: x is S fp32 parts to sum (SplitSums)
         stride_split,  # elements between the parts (with SPLITS)
         BLOCK: tl.constexpr,
@@ -118,10 +158,62 @@ if triton is not None:
             tl.store(new_res_ptr + row * H + cols, x, mask=ok)
         x32 = x.to(tl.float32)
         mean_square = tl.sum(x32 * x32, axis=0) * inv_h
-        normed = (x32 * _rsqrt(mean_square + eps, LIBDEVICE)).to(dtype)
+        rstd = _rsqrt(mean_square + eps, LIBDEVICE)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + row, rstd)
+        normed = (x32 * rstd).to(dtype)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         out = w.to(tl.float32) * normed.to(tl.float32)
         tl.store(out_ptr + row * H + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_norm_backward_kernel(
+        d_out_ptr,  # (R, H) contiguous: d normed, promote(weight, x) dtype
+        d_res_ptr,  # (R, H) contiguous: d new_residual, x's dtype; unused without HAS_D_RES
+        res_ptr,  # (R, H) rows at stride_r: the forward's new_residual, x's dtype
+        rstd_ptr,  # (R,) fp32: the forward's 1 / sqrt(mean square + eps) per row
+        w_ptr,  # (H,)
+        g_ptr,  # (R, H) contiguous, x's dtype: d x = d residual; unused without NEED_G
+        dw_ptr,  # (programs, H) fp32: each program's sum over its rows; unused without NEED_DW
+        R,
+        H,
+        stride_r,
+        rows_per_program,  # a multiple of ROWS
+        inv_h,  # fp32(1 / H)
+        HAS_D_RES: tl.constexpr,
+        NEED_G: tl.constexpr,
+        NEED_DW: tl.constexpr,
+        ROWS: tl.constexpr,  # rows per tile: (ROWS, BLOCK) elements are loaded at once
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        col_ok = cols < H
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)  # summed over its rows once, at the end
+        first = pid * rows_per_program
+        last = tl.minimum(first + rows_per_program, R)
+        for start in range(first, last, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            row_ok = rows < last
+            ok = row_ok[:, None] & col_ok[None, :]
+            rows64 = rows.to(tl.int64)
+            at = rows64[:, None] * H + cols[None, :]  # (ROWS, BLOCK) offsets in the gradients
+            r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]  # (ROWS, 1)
+            n = r.to(tl.float32) * rstd  # bitwise the forward's normalised row, before rounding
+            dy = tl.load(d_out_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            if NEED_G:
+                dn = dy * w[None, :]
+                mean_dn_n = tl.sum(dn * n, axis=1)[:, None] * inv_h  # (ROWS, 1)
+                g = rstd * (dn - n * mean_dn_n)
+                if HAS_D_RES:
+                    g += tl.load(d_res_ptr + at, mask=ok, other=0.0).to(tl.float32)
+                tl.store(g_ptr + at, g.to(g_ptr.dtype.element_ty), mask=ok)
+            if NEED_DW:  # the weight multiplied n rounded to x's dtype in the forward
+                dw += dy * n.to(res_ptr.dtype.element_ty).to(tl.float32)
+        if NEED_DW:
+            tl.store(dw_ptr + pid * H + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -133,10 +225,15 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    rstd: torch.Tensor | None = None,  # (R,) fp32, filled with 1 / sqrt(mean square + eps)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `add_rms_norm_ref`, by the Triton kernel: one program per row. No host sync, so it
-    can be captured in a CUDA graph."""
+    can be captured in a CUDA graph. `rstd`, when given, receives each row's reciprocal RMS (for
+    the backward); the outputs are bitwise the same either way."""
     if triton is None:
         raise RuntimeError("the Triton RMSNorm kernel needs `pip install triton`")
     if isinstance(x, SplitSums):
@@ -164,13 +261,19 @@ def add_rms_norm_triton(
         x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     R = x_rows.shape[0]
+    if rstd is not None and (rstd.shape != (R,) or rstd.dtype != torch.float32):
+        raise ValueError(f"rstd must be ({R},) fp32, got {tuple(rstd.shape)} {rstd.dtype}")
     if R == 0 or H == 0:
         return out, new_residual
-    _launch(x_rows, x_rows.stride(0), 0, 0, res_rows, weight, out, new_residual, eps, residual)
+    _launch(
+        x_rows, x_rows.stride(0), 0, 0, res_rows, weight, out, new_residual, eps, residual, rstd
+    )
     return out, new_residual
 
 
-def _launch(x, stride_x, splits, stride_split, res_rows, weight, out, new_residual, eps, residual):
+def _launch(
+    x, stride_x, splits, stride_split, res_rows, weight, out, new_residual, eps, residual, rstd=None
+):
     """One program per row of res_rows (R, H); x is the rows, or with splits > 0 the parts."""
     R, H = res_rows.shape
     block = triton.next_power_of_2(H)
@@ -180,12 +283,14 @@ def _launch(x, stride_x, splits, stride_split, res_rows, weight, out, new_residu
         weight.contiguous(),
         out,
         new_residual,
+        out if rstd is None else rstd,
         stride_x,
         res_rows.stride(0),
         H,
         1.0 / H,
         eps,
         HAS_RESIDUAL=residual is not None,
+        STORE_RSTD=rstd is not None,
         SPLITS=splits,
         stride_split=stride_split,
         BLOCK=block,
@@ -218,6 +323,77 @@ def _add_rms_norm_split_sums(
     return out, new_residual
 
 
+# The backward's grid: tiles of ~4096 elements (8 warps, 16 per thread per tensor, loaded 16
+# bytes at a time), about 4 programs per SM of whole tiles each. At
+# T=4096, H=896 on an H100 (132 SMs): 512 programs of 8 rows (two tiles of 4), whose (512, H) fp32
+# partial sums of d weight (1.8 MB, written once and read once by `.sum(0)`) are small beside the
+# 29 MB of bf16 gradients and rows it reads and writes. ptxas (Triton 3.9, sm_90a, compiled here
+# without a GPU) gives 98 registers at H=896 and 125 at H=4096, no spills: two programs fit on an
+# SM at once, so the 4 per SM run in two rounds. Chosen by that arithmetic, not yet timed on a GPU.
+TILE_ELEMENTS = 4096
+PROGRAMS_PER_SM = 4
+
+
+def _backward_grid(R: int, H: int, device: torch.device) -> tuple[int, int, int]:
+    """(rows per tile, rows per program, programs) for the backward over R rows of H."""
+    rows = max(1, min(16, TILE_ELEMENTS // triton.next_power_of_2(H)))
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+    per_program = triton.cdiv(triton.cdiv(R, PROGRAMS_PER_SM * sms), rows) * rows
+    return rows, per_program, triton.cdiv(R, per_program)
+
+
+def _add_rms_norm_backward(
+    d_normed: torch.Tensor,  # (T, H) promote(weight, x) dtype
+    d_new_residual: torch.Tensor | None,  # (T, H) x's dtype
+    new_residual: torch.Tensor,  # (T, H) x's dtype, unit stride on H
+    rstd: torch.Tensor,  # (T,) fp32, from the forward
+    weight: torch.Tensor,  # (H,)
+    need_g: bool,
+    need_d_weight: bool,
+    tiles_per_program: int | None = None,  # tests: another partition of the rows
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(g (T, H) x's dtype, d weight (H,) weight's dtype), each None when not needed, as
+    `add_rms_norm_backward_ref`: one kernel, then the sum of its per-program d weight parts in a
+    fixed order (no atomics: deterministic). No host sync."""
+    R, H = new_residual.shape
+    device = new_residual.device
+    g = torch.empty(R, H, dtype=new_residual.dtype, device=device) if need_g else None
+    if R == 0 or H == 0:
+        return g, torch.zeros_like(weight) if need_d_weight else None
+    rows, per_program, programs = _backward_grid(R, H, device)
+    if tiles_per_program is not None:
+        per_program = tiles_per_program * rows
+        programs = triton.cdiv(R, per_program)
+    parts = torch.empty(programs, H, dtype=torch.float32, device=device) if need_d_weight else None
+    d_normed = d_normed.contiguous()  # the gradient of a sum arrives expanded, with stride 0
+    block = triton.next_power_of_2(H)
+    _add_rms_norm_backward_kernel[(programs,)](
+        d_normed,
+        d_normed if d_new_residual is None else d_new_residual.contiguous(),
+        new_residual,
+        rstd,
+        weight.contiguous(),
+        new_residual if g is None else g,
+        rstd if parts is None else parts,
+        R,
+        H,
+        new_residual.stride(0),
+        per_program,
+        1.0 / H,
+        HAS_D_RES=d_new_residual is not None,
+        NEED_G=need_g,
+        NEED_DW=need_d_weight,
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=min(16, max(1, rows * block // 512)),
+    )
+    return g, None if parts is None else parts.sum(0).to(weight.dtype)
+
+
 def add_rms_norm(
     x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,3 +406,77 @@ def add_rms_norm(
     if triton is not None and x.is_cuda and x.dtype in KERNEL_DTYPES:
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """The forward kernel, which also keeps each row's rstd, and one backward kernel for x,
+    residual and the weight (x and residual share one gradient: new_residual = x + residual)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # (T,)
+        normed, new_residual = add_rms_norm_triton(x, residual, weight, eps, rstd)
+        ctx.save_for_backward(new_residual, weight, rstd)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+        return normed, new_residual
+
+    @staticmethod
+    def backward(ctx, d_normed, d_new_residual):
+        new_residual, weight, rstd = ctx.saved_tensors
+        need_x, need_residual, need_weight = ctx.needs_input_grad[:3]
+        if d_normed is None:  # only new_residual = x + residual was used
+            g, d_weight = d_new_residual, None
+        else:
+            g, d_weight = _add_rms_norm_backward(
+                d_normed,
+                d_new_residual,
+                new_residual,
+                rstd,
+                weight,
+                need_x or need_residual,
+                need_weight,
+            )
+        return g if need_x else None, g if need_residual else None, d_weight, None
+
+
+def _check_train_inputs(x, residual, weight) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, H), got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x {tuple(x.shape)} {x.dtype}, got "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    if weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"weight must be ({x.shape[1]},) for x {tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    if not (x.dtype.is_floating_point and weight.dtype.is_floating_point):
+        raise ValueError(f"x and weight must be floating point, got {x.dtype}, {weight.dtype}")
+
+
+def add_rms_norm_train(
+    x: torch.Tensor,  # (T, H)
+    residual: torch.Tensor | None,  # (T, H) or None
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed (T, H), new_residual (T, H)) as `add_rms_norm`, differentiable with respect to
+    x, residual and weight: the training forward. With the kernels (CUDA, or Triton's
+    interpreter) that is one launch forward, one back and a small sum over its programs.
+    The outputs are bitwise `add_rms_norm_triton`'s, with or without grad. Elsewhere (or for
+    dtypes the kernels do not take) the reference, by autograd. With residual None and grad
+    enabled, new_residual is a view of x (autograd needs a node of its own for it)."""
+    _check_train_inputs(x, residual, weight)
+    on_kernel = (
+        triton is not None
+        and (x.is_cuda or _interpreting())
+        and x.dtype in KERNEL_DTYPES
+        and weight.dtype in KERNEL_DTYPES
+    )
+    if not on_kernel:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    tensors = (x, weight) if residual is None else (x, residual, weight)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return _AddRMSNorm.apply(x, residual, weight, eps)

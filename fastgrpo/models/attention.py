@@ -121,10 +121,13 @@ class PackedCausalAttention:
         )
 
     def _varlen(self, q, k, v, window) -> torch.Tensor:
-        if window is None and not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        ):
+        needs_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        )
+        if window is None and not needs_grad:
             return self._flash_forward(q, k, v)
+        if needs_grad and FLASH_AUTOGRAD:
+            return FlashVarlenCausal.apply(q, k, v, self.cu_seqlens, self.max_seqlen, window)
         varlen_attn, takes_window, takes_gqa = VARLEN
         kwargs = {}
         if k.shape[1] != q.shape[1]:
@@ -200,6 +203,71 @@ class PackedCausalAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, **extra)
             outs.append(o.transpose(0, 1))  # (L, Hq, D)
         return torch.cat(outs)  # (T, Hq, D)
+
+
+class FlashVarlenCausal(torch.autograd.Function):
+    """Causal (optionally windowed) flash attention over packed sequences, with autograd, by the
+    two ATen flash kernels that `varlen_attn` wraps, called directly.
+
+    Why: on torch 2.11 `varlen_attn` takes no grouped-query k/v, so k and v would be repeated to
+    q's head count before the kernel (two copies per layer forward, two reductions backward), and
+    its custom-op and autograd layers cost ~0.3 ms of host time per layer's backward on the H100
+    machine (benchmarks/profile_step.py). The flash kernels themselves take grouped k/v: the
+    forward reads each k/v head for all its query heads, and the backward sums dk/dv over a
+    group inside ATen. Same kernels, same numerics as `varlen_attn` on repeated k/v.
+
+    apply(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), cu_seqlens (N + 1,) int32, max_seqlen,
+    window or None) -> (T, Hq, D). No dropout; the default 1/sqrt(D) scale.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, window: int | None):
+        left = -1 if window is None else window - 1  # flash counts the keys before the query
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            window is None,
+            False,
+            window_size_left=left,
+            window_size_right=0,
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.window = max_seqlen, window
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        n, window = ctx.max_seqlen, ctx.window
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu,
+            cu,
+            n,
+            n,
+            0.0,
+            window is None,
+            rng_state,
+            unused,
+            window_size_left=-1 if window is None else window - 1,
+            window_size_right=0,
+        )
+        return dq, dk, dv, None, None, None
+
+
+# FASTGRPO_FLASH_AUTOGRAD=0 sends training attention through `varlen_attn` instead (to compare)
+FLASH_AUTOGRAD = os.environ.get("FASTGRPO_FLASH_AUTOGRAD", "1") != "0"
 
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,11 @@ of the elementwise PyTorch ops, ~20 small kernels per layer that cost ~2 of the 
 decode step at 64 rows on an H100: residual add + RMSNorm, RoPE of q and k in place, SiLU * up
 (`fastgrpo/kernels/{rms_norm,rope,swiglu}.py`). That path carries the residual stream beside the
 sublayer output between layers, as vLLM does, so each add fuses into the norm after it.
-FASTGRPO_FUSED_OPS=0 turns it off; the trainer (its scoring too) and the CPU never take it.
+The trainer on CUDA (its training passes and its scoring alike, so the two agree bitwise) takes
+`forward_train`: the same fusions as differentiable kernels, with one GEMM for q/k/v and one for
+gate/up; an eager training step of the 0.5B model was ~3,500 kernel launches per 4,096-token
+micro-batch and host-bound (benchmarks/profile_step.py). FASTGRPO_FUSED_OPS=0 turns both off;
+the CPU never takes them.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.lm_head_stats import triton
-from fastgrpo.kernels.rms_norm import add_rms_norm
-from fastgrpo.kernels.rope import apply_rope_qk_
-from fastgrpo.kernels.swiglu import silu_mul
+from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
+from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
+from fastgrpo.kernels.swiglu import silu_mul, silu_mul_train
 from fastgrpo.models.attention import PackedCausalAttention
-from fastgrpo.models.packed import PackedLinears
+from fastgrpo.models.packed import PackedLinears, packed_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -52,6 +56,13 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # FASTGRPO_FUSED_OPS=0 keeps inference on the PyTorch ops (to compare or to bisect)
 FUSED_OPS = os.environ.get("FASTGRPO_FUSED_OPS", "1") != "0"
+
+
+def use_train_kernels(x: torch.Tensor) -> bool:
+    """Whether a trainer forward over x (with or without gradient: its scoring and its training
+    passes must agree bitwise) takes the differentiable fused kernels (`forward_train`): CUDA,
+    Triton, and FASTGRPO_FUSED_OPS not 0. The CPU keeps the PyTorch ops."""
+    return FUSED_OPS and triton is not None and x.is_cuda
 
 
 def use_fused_ops(x: torch.Tensor, asked: bool) -> bool:
@@ -376,6 +387,31 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)  # (T, H)
         return x + self.mlp(self.post_attention_layernorm(x))  # (T, H)
 
+    def forward_train(self, x, residual, cos, sin, attend: Attend):
+        """The trainer's path on CUDA, with autograd: as `forward`, with each residual add fused
+        into the norm after it (as `forward_fused` carries the stream), q/k/v and gate/up each
+        one GEMM (`packed_linear`), and one differentiable Triton kernel forward and one backward
+        for each add + RMSNorm, the RoPE of q and k, and SiLU * up. ~9 kernels per layer forward
+        and ~30 backward, against ~40 and ~85 for the PyTorch ops (benchmarks/profile_step.py).
+        Returns (MLP output, residual), (T, H) each."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = add_rms_norm_train(x, residual, norm1.weight, norm1.eps)  # (T, H) each
+        qkv = packed_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], attn.qkv)
+        T, D = qkv.shape[0], attn.head_dim
+        q, k, v = qkv.split([attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], -1)
+        q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)  # (T, heads, D)
+        if attn.q_norm is not None:  # Qwen3: RMSNorm over each head
+            q = add_rms_norm_train(q.reshape(-1, D), None, attn.q_norm.weight, attn.q_norm.eps)
+            k = add_rms_norm_train(k.reshape(-1, D), None, attn.k_norm.weight, attn.k_norm.eps)
+            q, k = q[0].view(T, -1, D), k[0].view(T, -1, D)
+        q, k = rope_qk_train(q, k, cos, sin)
+        out = attend(attn.layer_index, q, k, v)  # (T, Hq, D)
+        x = attn.o_proj(out.reshape(T, -1))  # (T, H)
+        h, residual = add_rms_norm_train(x, residual, norm2.weight, norm2.eps)
+        gate_up = packed_linear(h, [mlp.gate_proj, mlp.up_proj], mlp.gate_up)  # (T, 2 I)
+        return mlp.down_proj(silu_mul_train(gate_up, mlp.gate_proj.out_features)), residual
+
     def forward_fused(self, x, residual, cos, sin, attend: Attend):
         """The inference path: x is the previous layer's MLP output (the embeddings, with residual
         None, in layer 0) and residual the stream it is still to be added to; each add is fused
@@ -489,6 +525,17 @@ class Transformer(nn.Module):
                 x, residual = layer.forward_fused(x, residual, cos, sin, attend)
             return self.model.norm.add_and_norm(x, residual)[0]  # (T, H)
         use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
+        if use_train_kernels(x):
+            residual = None
+            for layer in self.model.layers:
+                if use_checkpoint:
+                    x, residual = checkpoint(
+                        layer.forward_train, x, residual, cos, sin, attend, use_reentrant=False
+                    )
+                else:
+                    x, residual = layer.forward_train(x, residual, cos, sin, attend)
+            norm = self.model.norm
+            return add_rms_norm_train(x, residual, norm.weight, norm.eps)[0]  # (T, H)
         for layer in self.model.layers:
             if use_checkpoint:
                 x = checkpoint(layer, x, cos, sin, attend, use_reentrant=False)

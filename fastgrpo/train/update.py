@@ -212,9 +212,10 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
                         model, mb.rollout, temperature=r.temperature, fused=fused
                     )
 
-    totals: dict[str, float] = {}  # token-weighted sums of the loss's metrics
-    weight_sum = 0.0
-    loss_sum = 0.0  # sum of micro-batch losses = sum of the optimizer steps' losses
+    # On the device until the end, so the host never waits for a micro-batch to finish:
+    totals: dict[str, torch.Tensor] = {}  # token-weighted sums of the loss's metrics
+    weight_sum = torch.zeros((), device=advantages.device)
+    loss_sum = torch.zeros((), device=advantages.device)  # = sum of the optimizer steps' losses
     grad_norms = []
     model.train()
     with timer("update"):
@@ -226,16 +227,20 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
                     loss, parts = step_loss(config, model, mb, num_sequences, num_tokens, settings)
                     if loss.requires_grad:  # False when every token is masked (all truncated)
                         loss.backward()
-                    loss_sum += float(loss.detach())
-                    tokens = mb.rollout.completion_mask.sum().item()
+                    loss_sum += loss.detach().float()
+                    tokens = mb.rollout.completion_mask.sum().float()
                     weight_sum += tokens
                     for name, value in parts.items():
-                        totals[name] = totals.get(name, 0.0) + float(value) * tokens
+                        value = torch.as_tensor(value, device=tokens.device).detach().float()
+                        totals[name] = totals.get(name, 0.0) + value * tokens
                 with timer("optimizer"):
                     norm = _optimizer_step(model, optimizer, scheduler, t.max_grad_norm)
                 if norm is not None:
                     grad_norms.append(norm)
-    out = {name: value / weight_sum for name, value in totals.items()} if weight_sum else {}
+    names = list(totals)
+    values = torch.stack([totals[n] for n in names] + [weight_sum, loss_sum]).tolist()  # one sync
+    *sums, weight_sum, loss_sum = values
+    out = {name: value / weight_sum for name, value in zip(names, sums)} if weight_sum else {}
     out["loss"] = loss_sum / (t.num_iterations * t.mini_batches)  # mean over optimizer steps
     if grad_norms:
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)

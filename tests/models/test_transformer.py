@@ -32,9 +32,11 @@ from fastgrpo.models import (
     is_supported,
     load_native_model,
 )
+from fastgrpo.models import attention as attention_module
 from fastgrpo.models.attention import VARLEN, packed_positions
 from fastgrpo.models.loading import cache_dir
 from fastgrpo.models.native_io import save_safetensors
+from fastgrpo.models.packed import PackedLinears, packed_linear
 from fastgrpo.models.transformer import Llama3RopeScaling
 
 SMOLLM2 = cache_dir() / "models" / "smollm2-135m-instruct"
@@ -450,6 +452,63 @@ def test_packed_projections_compute_the_same_outputs_and_follow_in_place_updates
     reloaded.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
     for (name, a), b in zip(ours.named_parameters(), reloaded.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_packed_linear_gives_each_linears_output_and_gradients(bias, packed):
+    """One GEMM for several linears of one input, with autograd to each linear's own parameters:
+    the same outputs and gradients as the linears one by one (fp64), from the packed storage
+    (`PackedLinears` intact) or from concatenated weights."""
+    torch.manual_seed(3)
+    linears = [torch.nn.Linear(12, n, bias=bias).double() for n in (12, 4, 4)]
+    group = PackedLinears(linears) if packed else None
+    linears[1].weight.requires_grad_(False)  # a frozen part gets no gradient
+    x = torch.randn(7, 12, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(7, 20, dtype=torch.float64)
+    out = packed_linear(x, linears, group)  # (7, 20)
+    out.backward(grad_out)
+    got = [x.grad] + [p.grad for m in linears for p in m.parameters() if p.requires_grad]
+    x.grad = None
+    for m in linears:
+        m.zero_grad(set_to_none=True)
+    expected = torch.cat([m(x) for m in linears], -1)
+    expected.backward(grad_out)
+    want = [x.grad] + [p.grad for m in linears for p in m.parameters() if p.requires_grad]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert linears[1].weight.grad is None
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [None, 40])
+def test_flash_autograd_on_grouped_kv_matches_varlen_attn_on_repeated_kv(window):
+    """`FlashVarlenCausal` (the ATen flash kernels on grouped-query k/v, no repeat) against
+    torch's `varlen_attn` path (k/v repeated to q's head count): the same kernels, so outputs
+    agree to the bit and gradients within a bf16 rounding of the group sums."""
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    lengths = [37, 1, 128, 64, 300]
+    T = sum(lengths)
+    q, grad_out = torch.randn(
+        2, T, 14, 64, device="cuda", dtype=torch.bfloat16, generator=generator
+    )
+    k, v = torch.randn(2, T, 2, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+    attend = PackedCausalAttention.from_lengths(lengths, "cuda", [window])
+
+    def run(flash_autograd):
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention_module, "FLASH_AUTOGRAD", flash_autograd)
+            out = attend(0, *inputs)
+        out.backward(grad_out)
+        return [out] + [x.grad for x in inputs]
+
+    direct, wrapped = run(True), run(False)
+    assert torch.equal(direct[0], wrapped[0])
+    for name, a, b in zip(("dq", "dk", "dv"), direct[1:], wrapped[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
 
 
 @pytest.mark.gpu
