@@ -32,13 +32,12 @@ step). It is the spec and the CPU path.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 
-from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, triton
+from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, multiprocessors, triton
 
 if triton is not None:
     import triton.language as tl
@@ -242,11 +241,6 @@ def _blocks() -> tuple[int, int, int]:
     return 64, 4, 2
 
 
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(rows: int, nkv: int, keys: int, block_n: int, device: torch.device) -> int:
     """Key splits per (row, kv head): 1 when rows x kv heads already give two programs per
     multiprocessor (a guess for keeping enough loads in flight, not yet measured), else as many
@@ -254,7 +248,7 @@ def _num_splits(rows: int, nkv: int, keys: int, block_n: int, device: torch.devi
     the shapes alone, never of the step, so a captured graph stays valid."""
     if device.type != "cuda":
         return 1
-    programs, target = rows * nkv, 2 * _multiprocessors(device.index or 0)
+    programs, target = rows * nkv, 2 * multiprocessors(device)
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), keys // (2 * block_n), 16))

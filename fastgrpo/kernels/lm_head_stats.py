@@ -16,6 +16,7 @@ Reference: `lm_head_stats_ref` (below) computes the same statistics with plain P
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -185,6 +186,19 @@ if triton is not None:
         tl.store(pz_ptr + out, running_pz, mask=row_ok)
 
 
+def multiprocessors(device: torch.device | int | None = None) -> int:
+    """The SM count of a CUDA device (None: the current one), cached: `get_device_properties`
+    costs tens of microseconds of host time, and launchers that size their grids by it run
+    thousands of times per training step."""
+    index = device.index if isinstance(device, torch.device) else device
+    return _multiprocessors(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -226,7 +240,7 @@ def _num_splits(V: int, block_n: int) -> int:
     n_tiles = triton.cdiv(V, block_n)
     if _interpreting() or not torch.cuda.is_available():
         return max(1, min(32, n_tiles // 64, n_tiles))
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = multiprocessors()
     return max(1, min(max(1, sms // 4), n_tiles // 16, n_tiles))
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.lm_head_stats import _interpreting, multiprocessors, triton
 
 if triton is not None:
     import triton.language as tl
@@ -337,11 +337,7 @@ PROGRAMS_PER_SM = 4
 def _backward_grid(R: int, H: int, device: torch.device) -> tuple[int, int, int]:
     """(rows per tile, rows per program, programs) for the backward over R rows of H."""
     rows = max(1, min(16, TILE_ELEMENTS // triton.next_power_of_2(H)))
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 1
-    )
+    sms = multiprocessors(device) if device.type == "cuda" else 1
     per_program = triton.cdiv(triton.cdiv(R, PROGRAMS_PER_SM * sms), rows) * rows
     return rows, per_program, triton.cdiv(R, per_program)
 

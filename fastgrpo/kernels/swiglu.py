@@ -242,3 +242,51 @@ def silu_mul_train(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
         return _SiluMulTrain.apply(gate_up, inner)
     gate, up = gate_up.split(inner, dim=-1)
     return silu_mul_ref(gate, up)
+
+
+class _SiluMulLinear(torch.autograd.Function):
+    """linear(silu(gate) * up) that saves only gate_up: the backward recomputes silu(gate) * up
+    (bitwise the forward's, by the same kernel) for the weight's gradient. In the MLP that
+    saves the (T, I) activation per layer, ~23% of a 0.5B model's activation memory per token."""
+
+    @staticmethod
+    def forward(ctx, gate_up, inner, weight, bias):
+        ctx.inner = inner
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(gate_up, weight)
+        gate, up = gate_up.split(inner, dim=-1)  # (T, I) views
+        return F.linear(silu_mul_triton(gate, up), weight, bias)  # (T, out)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        gate_up, weight = ctx.saved_tensors
+        wants_input, _, wants_weight, wants_bias = ctx.needs_input_grad
+        d_out = d_out.contiguous()
+        d_gate_up = d_weight = d_bias = None
+        if wants_weight:
+            gate, up = gate_up.split(ctx.inner, dim=-1)
+            d_weight = d_out.t() @ silu_mul_triton(gate, up)  # (out, I)
+        if wants_bias and ctx.has_bias:
+            d_bias = d_out.sum(0)
+        if wants_input:
+            d_gate_up = silu_mul_backward_triton(gate_up, d_out @ weight, ctx.inner)  # (T, 2I)
+        return d_gate_up, None, d_weight, d_bias
+
+
+def silu_mul_linear_train(
+    gate_up: torch.Tensor, inner: int, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(T, out) = linear(silu(gate) * up, weight, bias) for a packed gate/up output gate_up
+    (T, 2I) and weight (out, I): the SwiGLU MLP's down projection, differentiable, keeping only
+    gate_up for the backward (see `_SiluMulLinear`). Where `silu_mul_train` would take the
+    reference, so does this, with torch's autograd."""
+    _check_gate_up_shape(gate_up, inner)
+    if (
+        triton is not None
+        and (gate_up.is_cuda or _interpreting())
+        and gate_up.dtype in KERNEL_DTYPES
+        and gate_up.stride(1) == 1
+        and gate_up.dim() == 2
+    ):
+        return _SiluMulLinear.apply(gate_up, inner, weight, bias)
+    return F.linear(silu_mul_train(gate_up, inner), weight, bias)

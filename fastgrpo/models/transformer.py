@@ -44,7 +44,7 @@ from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
 from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
-from fastgrpo.kernels.swiglu import silu_mul, silu_mul_train
+from fastgrpo.kernels.swiglu import silu_mul, silu_mul_linear_train
 from fastgrpo.models.attention import PackedCausalAttention
 from fastgrpo.models.packed import PackedLinears, packed_linear
 
@@ -410,7 +410,9 @@ class DecoderLayer(nn.Module):
         x = attn.o_proj(out.reshape(T, -1))  # (T, H)
         h, residual = add_rms_norm_train(x, residual, norm2.weight, norm2.eps)
         gate_up = packed_linear(h, [mlp.gate_proj, mlp.up_proj], mlp.gate_up)  # (T, 2 I)
-        return mlp.down_proj(silu_mul_train(gate_up, mlp.gate_proj.out_features)), residual
+        down = mlp.down_proj  # its input, silu(gate) * up, is recomputed in the backward
+        out = silu_mul_linear_train(gate_up, mlp.gate_proj.out_features, down.weight, down.bias)
+        return out, residual
 
     def forward_fused(self, x, residual, cos, sin, attend: Attend):
         """The inference path: x is the previous layer's MLP output (the embeddings, with residual

@@ -287,3 +287,63 @@ def test_bf16_rope_qk_train_at_real_shapes_is_bitwise_forward_within_twice_torch
         rope.rope_qk_train(q, k, cos, sin), rope.apply_rope_qk_ref(q, k, cos, sin)
     ):
         assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- SiLU * up + down_proj
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("frozen_weight", [False, True])
+@pytest.mark.parametrize("T", [1, 9])
+def test_silu_mul_linear_train_recomputes_its_input_and_gives_the_same_gradients(
+    T, frozen_weight, bias
+):
+    """The down projection over silu(gate) * up, keeping only gate_up for the backward: outputs
+    and gradients as `silu_mul_train` followed by `F.linear` under autograd (fp32)."""
+    inner, out_features = 40, 24
+    gate_up = _randn(T, 2 * inner, dtype=torch.float32, seed=T)
+    weight = _randn(out_features, inner, dtype=torch.float32, seed=T + 1, scale=0.2)
+    b = _randn(out_features, dtype=torch.float32, seed=T + 2) if bias else None
+    d_out = _randn(T, out_features, dtype=torch.float32, seed=T + 3)
+
+    def run(fused):
+        x = gate_up.clone().requires_grad_()
+        w = weight.clone().requires_grad_(not frozen_weight)
+        bb = None if b is None else b.clone().requires_grad_()
+        if fused:
+            out = swiglu.silu_mul_linear_train(x, inner, w, bb)
+        else:
+            out = torch.nn.functional.linear(swiglu.silu_mul_train(x, inner), w, bb)
+        out.backward(d_out)
+        return out.detach(), x.grad, w.grad, None if bb is None else bb.grad
+
+    got, want = run(True), run(False)
+    assert (got[2] is None) == frozen_weight
+    for a, b_ in zip(got, want, strict=True):
+        if b_ is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(swiglu.silu_mul_linear_train(gate_up, inner, weight, b), got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_bf16_silu_mul_linear_train_at_a_real_shape_matches_the_two_step_path():
+    T, inner, H = 4096, 4864, 896
+    gate_up = _randn(T, 2 * inner, dtype=torch.bfloat16, seed=1)
+    weight = _randn(H, inner, dtype=torch.bfloat16, seed=2, scale=0.02)
+    d_out = _randn(T, H, dtype=torch.bfloat16, seed=3)
+
+    def run(fused):
+        x, w = gate_up.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            out = swiglu.silu_mul_linear_train(x, inner, w)
+        else:
+            out = torch.nn.functional.linear(swiglu.silu_mul_train(x, inner), w)
+        out.backward(d_out)
+        return out.detach(), x.grad, w.grad
+
+    for name, a, b in zip(("out", "d_gate_up", "d_weight"), run(True), run(False)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=name)
