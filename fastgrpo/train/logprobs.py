@@ -9,6 +9,7 @@ padding); a transformers model runs on the padded batch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob
 from fastgrpo.models.attention import packed_positions
@@ -43,6 +44,30 @@ def trim_padding(rollout: Rollout) -> Rollout:
         rollout.completion_mask[:, :width],
         rollout.finished,
         None if rollout.sampling_logp is None else rollout.sampling_logp[:, :width],
+    )
+
+
+def concat_rollouts(parts: list[Rollout]) -> Rollout:
+    """The rows of several rollouts in one: prompts left-padded and completions right-padded (with
+    id 0, mask 0) to the widest part, the layout `generate` makes."""
+    if len(parts) == 1:
+        return parts[0]
+    tp = max(r.prompt_ids.shape[1] for r in parts)
+    tc = max(r.completion_ids.shape[1] for r in parts)
+
+    def cat(tensors, width, left):
+        if any(t is None for t in tensors):
+            return None
+        pad = lambda t: F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]))  # noqa: E731
+        return torch.cat([pad(t) for t in tensors])
+
+    return Rollout(
+        cat([r.prompt_ids for r in parts], tp, left=True),
+        cat([r.prompt_mask for r in parts], tp, left=True),
+        cat([r.completion_ids for r in parts], tc, left=False),
+        cat([r.completion_mask for r in parts], tc, left=False),
+        torch.cat([r.finished for r in parts]),
+        cat([r.sampling_logp for r in parts], tc, left=False),
     )
 
 

@@ -25,6 +25,7 @@ from fastgrpo.rollout import Rollout
 from fastgrpo.train.batching import plan_micro_batches
 from fastgrpo.train.logprobs import (
     completion_logprobs,
+    concat_rollouts,
     kept_hidden,
     lm_head_weight,
     trim_padding,
@@ -175,7 +176,7 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
     `timer` gets the phases reference, old_logprobs, update (forward and backward passes) and
     optimizer (gradient clipping, AdamW and schedule steps, summed over the optimizer steps).
     """
-    a, t, r = config.algo, config.train, config.rollout
+    a, t = config.algo, config.train
     model, ref_model, optimizer, scheduler = (
         trainer.model,
         trainer.ref_model,
@@ -197,19 +198,16 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
             active = (advantages[index] != 0) | (not zero_grad_possible)  # rows that move weights
             micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
             minis.append((micro, per_mini, num_tokens))
-        with torch.no_grad():
+        if ref_model is not None:
             for micro, _, _ in minis:
-                for mb in micro:
-                    if ref_model is not None:
-                        mb.ref_logp, _ = completion_logprobs(
-                            ref_model, mb.rollout, temperature=r.temperature, fused=fused
-                        )
+                for mb, logp in zip(micro, _score(ref_model, micro, config, fused)):
+                    mb.ref_logp = logp
     with timer("old_logprobs"), torch.no_grad():
-        if needs_old:
+        if needs_old:  # on the training micro-batches themselves: bitwise the first inner step's
             for micro, _, _ in minis:
                 for mb in micro:
                     mb.old_logp, _ = completion_logprobs(
-                        model, mb.rollout, temperature=r.temperature, fused=fused
+                        model, mb.rollout, temperature=config.rollout.temperature, fused=fused
                     )
 
     # On the device until the end, so the host never waits for a micro-batch to finish:
@@ -247,6 +245,41 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
     out["active_rows_frac"] = (
         sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
     )
+    return out
+
+
+# The reference model's scoring keeps no activations, so it runs over this many training
+# micro-batch budgets at once: fewer forwards, less host time (the trainer is host-bound at small
+# batches). The old log-probs stay on the training micro-batches: a GEMM over more rows may round
+# differently, and they must equal the first inner step's log-probs to the bit.
+SCORING_BUDGET_FACTOR = 4
+
+
+@torch.no_grad()
+def _score(model, micro: list[MicroBatch], config: Config, fused: bool) -> list[torch.Tensor]:
+    """(b, Tc) completion log-probs of each micro-batch's rows, from forwards over groups of
+    consecutive micro-batches of up to SCORING_BUDGET_FACTOR token budgets each."""
+    budget = SCORING_BUDGET_FACTOR * config.train.micro_batch_tokens
+    groups: list[list[MicroBatch]] = []
+    size = budget  # padded tokens in the current group; start a new group at once
+    for mb in micro:
+        rollout = mb.rollout
+        tokens = rollout.prompt_ids.shape[0] * (
+            rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
+        )  # padded, as the plan counts them
+        if size + tokens > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(mb)
+        size += tokens
+    out = []
+    for group in groups:
+        merged = concat_rollouts([mb.rollout for mb in group])
+        logp, _ = completion_logprobs(
+            model, merged, temperature=config.rollout.temperature, fused=fused
+        )  # (rows, Tc)
+        for mb, part in zip(group, logp.split([mb.advantages.shape[0] for mb in group])):
+            out.append(part[:, : mb.rollout.completion_ids.shape[1]])
     return out
 
 
