@@ -363,8 +363,9 @@ def test_varlen_attention_without_autograd_calls_flash_directly_with_the_same_re
     dtype, monkeypatch
 ):
     """Under no_grad the flash kernel runs on grouped k/v as they are; with autograd, through
-    `varlen_attn`: the same kernel, so the outputs agree to the last bit or within one rounding
-    (k/v repeated or not), and both are within SDPA's error of the fp32 reference."""
+    `FlashVarlenCausal` (or `varlen_attn`): the same kernel, so the outputs agree to the last bit
+    or within one rounding (k/v repeated or not), and both are within SDPA's error of the fp32
+    reference."""
     generator = torch.Generator(device="cuda").manual_seed(1)
     lengths = [37, 1, 128, 64, 300]
     q = torch.randn(sum(lengths), 14, 64, device="cuda", dtype=dtype, generator=generator)
@@ -379,7 +380,7 @@ def test_varlen_attention_without_autograd_calls_flash_directly_with_the_same_re
         direct = attend(0, q, k, v)
     assert calls == [1]
     with_grad = attend(0, q.requires_grad_(), k, v).detach()
-    assert calls == [1]  # autograd goes through varlen_attn
+    assert calls == [1]  # autograd goes through its own function, not _flash_forward
     torch.testing.assert_close(direct, with_grad, atol=2e-3, rtol=0)
     exact = causal_attention_ref(q.detach().float(), k.float(), v.float(), attend.cu_seqlens)
     sdpa = PackedCausalAttention(attend.cu_seqlens, attend.max_seqlen, [None], use_varlen=False)
