@@ -144,13 +144,18 @@ def peak_gib(device, baseline: int) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
 
 
-def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
-    baseline = memory_baseline(device)
+def fastgrpo_trainer(args, device, dtype, tokenizer, prompts):
+    """(config, trainer, examples) for this workload: random policy (and reference) models."""
     config = step_config(args)
     model = random_native_model(args.shape, device, dtype)
     ref_model = random_native_model(args.shape, device, dtype) if args.beta else None
     trainer = build_trainer(config, model, tokenizer, ref_model)
-    examples = [Example(prompt=text, answer="0") for text in prompts]
+    return config, trainer, [Example(prompt=text, answer="0") for text in prompts]
+
+
+def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
+    baseline = memory_baseline(device)
+    config, trainer, examples = fastgrpo_trainer(args, device, dtype, tokenizer, prompts)
     torch.manual_seed(0)
     seconds, records = [], []
     for _ in range(args.warmup + args.steps):
@@ -175,7 +180,7 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
     )
     row["phases"] = {p: statistics.median(r[f"time/{p}"] for r in timed) for p in PHASES}
     row["zero_std_groups"] = max(r["frac_zero_std_groups"] for r in timed)
-    del trainer, model, ref_model
+    del trainer
     return row
 
 

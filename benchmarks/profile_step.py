@@ -29,11 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_rollout import SHAPES, random_native_model  # noqa: E402
-from bench_step import PHASES, random_prompts, step_config, synthetic_tokenizer  # noqa: E402
+from bench_rollout import SHAPES  # noqa: E402
+from bench_step import PHASES, fastgrpo_trainer, random_prompts, synthetic_tokenizer  # noqa: E402
 
-from fastgrpo.data import Example  # noqa: E402
-from fastgrpo.train.loop import build_trainer, grpo_step  # noqa: E402
+from fastgrpo.train.loop import grpo_step  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -103,11 +102,7 @@ def main():
     vocab = SHAPES[args.shape]["vocab_size"]
     tokenizer = synthetic_tokenizer(vocab)
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
-    config = step_config(args)
-    model = random_native_model(args.shape, device, dtype)
-    ref_model = random_native_model(args.shape, device, dtype) if args.beta else None
-    trainer = build_trainer(config, model, tokenizer, ref_model)
-    examples = [Example(prompt=text, answer="0") for text in prompts]
+    config, trainer, examples = fastgrpo_trainer(args, device, dtype, tokenizer, prompts)
     torch.manual_seed(0)
     for _ in range(args.warmup):
         grpo_step(config, trainer, examples)

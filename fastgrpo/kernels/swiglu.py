@@ -227,18 +227,24 @@ class _SiluMulTrain(torch.autograd.Function):
         return silu_mul_backward_triton(gate_up, d_out, ctx.inner), None
 
 
+def _train_kernels_take(gate_up: torch.Tensor) -> bool:
+    """Whether the training kernels run on this (T, 2I) gate_up: Triton, a CUDA tensor (or the
+    interpreter), one of the kernel's dtypes, unit column stride."""
+    return (
+        triton is not None
+        and (gate_up.is_cuda or _interpreting())
+        and gate_up.dtype in KERNEL_DTYPES
+        and gate_up.stride(1) == 1
+    )
+
+
 def silu_mul_train(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
     """(T, I) silu(gate) * up of a packed gate/up projection output gate_up (T, 2I), whose columns
     [0, I) are gate and [I, 2I) up; differentiable. One forward and one backward kernel on CUDA
     tensors (or in the interpreter) of the kernel's dtypes with unit column stride, else the
     reference on the halves, with torch's autograd."""
     _check_gate_up_shape(gate_up, inner)
-    if (
-        triton is not None
-        and (gate_up.is_cuda or _interpreting())
-        and gate_up.dtype in KERNEL_DTYPES
-        and gate_up.stride(1) == 1
-    ):
+    if _train_kernels_take(gate_up):
         return _SiluMulTrain.apply(gate_up, inner)
     gate, up = gate_up.split(inner, dim=-1)
     return silu_mul_ref(gate, up)
@@ -281,12 +287,6 @@ def silu_mul_linear_train(
     gate_up for the backward (see `_SiluMulLinear`). Where `silu_mul_train` would take the
     reference, so does this, with torch's autograd."""
     _check_gate_up_shape(gate_up, inner)
-    if (
-        triton is not None
-        and (gate_up.is_cuda or _interpreting())
-        and gate_up.dtype in KERNEL_DTYPES
-        and gate_up.stride(1) == 1
-        and gate_up.dim() == 2
-    ):
+    if _train_kernels_take(gate_up):
         return _SiluMulLinear.apply(gate_up, inner, weight, bias)
     return F.linear(silu_mul_train(gate_up, inner), weight, bias)

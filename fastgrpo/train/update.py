@@ -228,9 +228,8 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
                     loss_sum += loss.detach().float()
                     tokens = mb.rollout.completion_mask.sum().float()
                     weight_sum += tokens
-                    for name, value in parts.items():
-                        value = torch.as_tensor(value, device=tokens.device).detach().float()
-                        totals[name] = totals.get(name, 0.0) + value * tokens
+                    for name, value in parts.items():  # detached 0-d tensors
+                        totals[name] = totals.get(name, 0.0) + value.float() * tokens
                 with timer("optimizer"):
                     norm = _optimizer_step(model, optimizer, scheduler, t.max_grad_norm)
                 if norm is not None:

@@ -12,24 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
+from test_fused_decoder_ops import QWEN3_LIKE, _packed_inputs
 
 from fastgrpo.models import transformer
-from fastgrpo.models.attention import PackedCausalAttention
 from fastgrpo.models.transformer import ModelConfig
 
 pytestmark = NEEDS_TRITON
 
-QWEN3_LIKE = ModelConfig(  # GQA (rep 3), q/k norm, an odd head dim, 2 layers
-    vocab_size=97,
-    hidden_size=48,
-    intermediate_size=72,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=10,
-    qk_norm=True,
-    tie_word_embeddings=True,
-)
 QWEN2_LIKE = ModelConfig(  # q/k/v biases, untied head, 2 layers
     vocab_size=101,
     hidden_size=40,
@@ -40,14 +29,6 @@ QWEN2_LIKE = ModelConfig(  # q/k/v biases, untied head, 2 layers
     head_dim=10,
     attention_bias=True,
 )
-
-
-def _batch(config: ModelConfig, lengths=(5, 1, 9), start=(0, 0, 300)):
-    gen = torch.Generator().manual_seed(sum(lengths))
-    ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=gen)
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(start, lengths)])  # (T,)
-    attend = PackedCausalAttention.from_lengths(list(lengths), DEVICE, config.layer_windows)
-    return ids.to(DEVICE), positions.to(DEVICE), attend
 
 
 def _forward_and_grads(model, ids, positions, attend, train_kernels: bool, monkeypatch):
@@ -70,7 +51,7 @@ def test_fused_training_forward_gives_the_pytorch_hidden_states_and_gradients(
     model = random_model(config, torch.float32)
     if packed:
         model.pack_projections()
-    ids, positions, attend = _batch(config)
+    ids, positions, attend = _packed_inputs(config)
     hidden, grads, scored = _forward_and_grads(model, ids, positions, attend, True, monkeypatch)
     want, want_grads, _ = _forward_and_grads(model, ids, positions, attend, False, monkeypatch)
     assert torch.equal(scored, hidden)  # no-grad scoring is bitwise the gradient pass
@@ -95,7 +76,7 @@ def test_bf16_fused_training_forward_is_within_twice_the_pytorch_error(config, m
     config = ModelConfig(**{**config.__dict__, "head_dim": 16})  # flash takes multiples of 8
     lengths, start = (37, 1, 128, 64), (0, 0, 300, 5)
     exact_model = random_model(config, torch.float64)
-    ids, positions, attend = _batch(config, lengths, start)
+    ids, positions, attend = _packed_inputs(config, lengths, start)
     exact, exact_grads, _ = _forward_and_grads(
         exact_model, ids, positions, attend, False, monkeypatch
     )
