@@ -94,10 +94,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0: no clipping
     num_iterations: int = 1  # K inner epochs over each rollout batch
     mini_batches: int = 1  # optimizer steps per inner epoch
-    # token budget of one forward/backward (padding counted); fewer, larger micro-batches cost
-    # less host time per step: at 0.5B on an H100, 8192 gives 0.80 s/step in 11.8 GiB, 4096
-    # 1.08 s in 8.7 GiB (benchmarks/results/step_*_v2.json); lower it for larger models
-    micro_batch_tokens: int = 8192
+    # token budget of one forward/backward (the native model: tokens fed, each shared prompt once;
+    # transformers models: padded rows); fewer, larger micro-batches cost less host time per step
+    # (benchmarks/NOTES.md, issue 5); lower it for larger models or longer completions
+    micro_batch_tokens: int = 12288
     fused_lm_head: str = "auto"  # auto (Triton on CUDA) | on | off: fused LM-head loss kernels
     seed: int = 0
 

@@ -7,7 +7,7 @@ directories, GGUF) and loads Hugging Face models, the path for architectures `is
 says no to.
 """
 
-from fastgrpo.models.attention import PackedCausalAttention, causal_attention_ref
+from fastgrpo.models.attention import PackedCausalAttention, SharedKeys, causal_attention_ref
 from fastgrpo.models.loading import (
     ModelNotFoundError,
     load_model,
@@ -28,6 +28,7 @@ __all__ = [
     "ModelConfig",
     "ModelNotFoundError",
     "PackedCausalAttention",
+    "SharedKeys",
     "Transformer",
     "UnsupportedModelError",
     "causal_attention_ref",

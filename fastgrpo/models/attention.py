@@ -5,6 +5,14 @@ What: `PackedCausalAttention(cu_seqlens, max_seqlen)` is the `attend(layer, q, k
 never across, grouped-query heads, optional per-layer sliding windows. `causal_attention_ref` is
 the spec in plain fp32 PyTorch.
 
+Shared prompts (`SharedKeys`): GRPO samples G completions of each prompt, and the trainer packs
+each prompt once, followed by its completions. A completion's queries then attend to keys that
+are not contiguous in the packed rows (its prompt's, then its own), so the callback first gathers
+each query sequence's keys and values into a key-side layout (`gather_rows`, whose backward sums
+the G contributions to a prompt token's k/v in fp32), and the mask is causal aligned to the end
+of the keys: query i of a sequence of Lq queries and Lk keys sees keys j <= i + Lk - Lq (flash
+attention's convention when the two lengths differ).
+
 Why: packing removes the padding compute of a (B, T) batch; on CUDA in fp16/bf16 one flash
 `varlen_attn` call (probed once at import; FASTGRPO_NO_VARLEN=1 turns it off) covers every
 sequence, and elsewhere (CPU, fp32) a loop of `scaled_dot_product_attention` per sequence does.
@@ -44,28 +52,76 @@ PADDED_BATCH_LIMIT = 2
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
-def causal_attention_ref(q, k, v, cu_seqlens, window: int | None = None) -> torch.Tensor:
-    """The spec: per sequence, softmax(q k^T / sqrt(D)) v in fp32 with a causal (windowed) mask."""
+def causal_attention_ref(
+    q, k, v, cu_seqlens, window: int | None = None, cu_seqlens_k=None
+) -> torch.Tensor:
+    """The spec: per sequence, softmax(q k^T / sqrt(D)) v in fp32 with a causal (windowed) mask.
+
+    `cu_seqlens_k` (default: `cu_seqlens`) bounds each sequence's keys in k/v when they are laid
+    out apart from the queries; the mask is then aligned to the end of the keys."""
     groups = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()
+    key_bounds = bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
     out = torch.empty_like(q)  # (T, Hq, D)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qs = q[start:end].float().transpose(0, 1)  # (Hq, L, D)
-        ks = k[start:end].float().repeat_interleave(groups, dim=1).transpose(0, 1)  # (Hq, L, D)
-        vs = v[start:end].float().repeat_interleave(groups, dim=1).transpose(0, 1)  # (Hq, L, D)
-        scores = qs @ ks.transpose(1, 2) / math.sqrt(q.shape[-1])  # (Hq, L, L)
-        scores = scores.masked_fill(~_causal_mask(end - start, window, q.device), float("-inf"))
+    for start, end, k_start, k_end in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
+        qs = q[start:end].float().transpose(0, 1)  # (Hq, Lq, D)
+        ks = k[k_start:k_end].float().repeat_interleave(groups, dim=1).transpose(0, 1)
+        vs = v[k_start:k_end].float().repeat_interleave(groups, dim=1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) / math.sqrt(q.shape[-1])  # (Hq, Lq, Lk)
+        visible = _causal_mask(end - start, window, q.device, k_end - k_start)
+        scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
     return out
 
 
-def _causal_mask(length: int, window: int | None, device) -> torch.Tensor:
-    i = torch.arange(length, device=device)
-    offset = i[:, None] - i[None, :]  # (L, L): query index minus key index
+def _causal_mask(length: int, window: int | None, device, keys: int | None = None) -> torch.Tensor:
+    """(length, keys) visibility: query i sees key j when 0 <= i + keys - length - j (< window)."""
+    keys = length if keys is None else keys
+    offset = (  # query index (aligned to the end of the keys) minus key index
+        torch.arange(length, device=device)[:, None]
+        + (keys - length)
+        - torch.arange(keys, device=device)[None, :]
+    )
     visible = offset >= 0
     if window is not None:
         visible &= offset < window
     return visible
+
+
+class SharedKeys:
+    """Where each query sequence's keys are: `rows` (Tk,) indexes the packed k/v rows (a prompt's
+    rows appear once per completion that attends to them), `cu_seqlens` (N + 1,) bounds each
+    sequence's keys in that gathered layout, `max_seqlen` is the longest."""
+
+    def __init__(self, rows: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+        self.rows = rows
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.max_seqlen = int(max_seqlen)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[rows] whose backward sums repeated rows in fp32 or wider (a prompt's k/v gets G
+    gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        ctx.rows_of_x = x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        total = grad.new_zeros((ctx.rows_of_x, *grad.shape[1:]), dtype=wide)
+        return total.index_add_(0, rows, grad.to(wide)).to(grad.dtype), None
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] (rows may repeat), with a backward that adds up repeats in fp32."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherRows.apply(x, rows)
+    return x.index_select(0, rows)
 
 
 class PackedCausalAttention:
@@ -75,6 +131,7 @@ class PackedCausalAttention:
     sequence; otherwise (CPU, fp32) one masked `scaled_dot_product_attention` over the sequences
     padded to the longest, or, when that would more than double the work, one call per sequence.
     `layer_windows[i]` is layer i's sliding window or None (`ModelConfig.layer_windows`).
+    `keys` (`SharedKeys`): sequences whose keys are not their own query rows (shared prompts).
     """
 
     def __init__(
@@ -84,13 +141,18 @@ class PackedCausalAttention:
         layer_windows: Sequence[int | None] | None = None,
         *,
         use_varlen: bool | None = None,
+        keys: SharedKeys | None = None,
     ):
         self.cu_seqlens = cu_seqlens.to(torch.int32)  # (N + 1,)
         self.max_seqlen = int(max_seqlen)
         self.layer_windows = layer_windows
         self.use_varlen = use_varlen
-        self._bounds: list[int] | None = None
-        self._padding: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.keys = keys
+        # the keys' bounds: the queries' own unless shared
+        self.cu_seqlens_k = self.cu_seqlens if keys is None else keys.cu_seqlens
+        self.max_seqlen_k = self.max_seqlen if keys is None else keys.max_seqlen
+        self._bounds: list[tuple[int, int, int, int]] | None = None
+        self._padding: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], device=None, layer_windows=None):
@@ -99,12 +161,14 @@ class PackedCausalAttention:
 
     def __call__(self, layer_index: int, q, k, v) -> torch.Tensor:
         window = self.layer_windows[layer_index] if self.layer_windows else None
-        if window is not None and window >= self.max_seqlen:
+        if window is not None and window >= self.max_seqlen_k:
             window = None  # every key is inside the window anyway
+        if self.keys is not None:
+            k, v = gather_rows(k, self.keys.rows), gather_rows(v, self.keys.rows)  # (Tk, Hkv, D)
         if self._varlen_applies(q, window):
             return self._varlen(q, k, v, window)
         N, T = self.cu_seqlens.numel() - 1, q.shape[0]
-        if N > 1 and N * self.max_seqlen <= PADDED_BATCH_LIMIT * T:
+        if N > 1 and N * self.max_seqlen_k <= PADDED_BATCH_LIMIT * max(T, k.shape[0]):
             return self._sdpa_padded(q, k, v, window)
         return self._sdpa_loop(q, k, v, window)
 
@@ -127,7 +191,7 @@ class PackedCausalAttention:
         if window is None and not needs_grad:
             return self._flash_forward(q, k, v)
         if needs_grad and FLASH_AUTOGRAD:
-            return FlashVarlenCausal.apply(q, k, v, self.cu_seqlens, self.max_seqlen, window)
+            return FlashVarlenCausal.apply(q, k, v, *self._flash_bounds(), window)
         varlen_attn, takes_window, takes_gqa = VARLEN
         kwargs = {}
         if k.shape[1] != q.shape[1]:
@@ -141,68 +205,86 @@ class PackedCausalAttention:
             kwargs["window_size"] = (-1 if window is None else window - 1, 0)
         else:
             kwargs["is_causal"] = True
-        cu, n = self.cu_seqlens, self.max_seqlen
-        return varlen_attn(q, k, v, cu, cu, n, n, **kwargs)  # (T, Hq, D)
+        return varlen_attn(q, k, v, *self._flash_bounds(), **kwargs)  # (T, Hq, D)
+
+    def _flash_bounds(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), as the flash kernels take them."""
+        return self.cu_seqlens, self.cu_seqlens_k, self.max_seqlen, self.max_seqlen_k
 
     def _flash_forward(self, q, k, v) -> torch.Tensor:
         """Inference (no autograd): the flash kernel that `varlen_attn` wraps, called directly.
         It takes grouped-query k/v as they are (no repeat to q's head count, which torch 2.11's
         `varlen_attn` needs), and skips the custom-op and autograd layers, ~0.2 ms of host time
         per call on the H100 machine (benchmarks/profile_rollout_host.py)."""
-        cu, n = self.cu_seqlens, self.max_seqlen
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False)[0]
+        bounds = self._flash_bounds()
+        return torch.ops.aten._flash_attention_forward(q, k, v, *bounds, 0.0, True, False)[0]
 
     def _sdpa_padded(self, q, k, v, window) -> torch.Tensor:
         """One `scaled_dot_product_attention` over the sequences padded to the longest, with a
         mask for causality, padding and the window. On a CPU this beats a call per sequence
         (SmolLM2 forward + backward over the quick start's 32 rows of ~60 tokens, 2 cores:
         10.3 -> 8.9 s); padded queries see their sequence's keys, so no row is empty."""
-        N, L = self.cu_seqlens.numel() - 1, self.max_seqlen
+        N, Lq, Lk = self.cu_seqlens.numel() - 1, self.max_seqlen, self.max_seqlen_k
         if self._padding is None:
-            lengths = self.cu_seqlens.diff().long()  # (N,)
-            sequence = torch.repeat_interleave(torch.arange(N, device=q.device), lengths)  # (T,)
-            slots = sequence * L + packed_positions(self.cu_seqlens).long()  # (T,) in (N*L)
-            i = torch.arange(L, device=q.device)
-            visible = (i[None, :] <= i[:, None]) & (i[None, :] < lengths[:, None, None])
-            self._padding = slots, visible  # visible: (N, L, L), query x key
-        slots, visible = self._padding
+            q_lengths = self.cu_seqlens.diff().long()  # (N,)
+            k_lengths = self.cu_seqlens_k.diff().long()  # (N,)
+            q_slots = _padded_slots(self.cu_seqlens, Lq)  # (T,) in (N*Lq)
+            k_slots = _padded_slots(self.cu_seqlens_k, Lk)  # (Tk,) in (N*Lk)
+            offset = (  # (N, Lq, Lk): query index (aligned to the end of the keys) - key index
+                torch.arange(Lq, device=q.device)[None, :, None]
+                + (k_lengths - q_lengths)[:, None, None]
+                - torch.arange(Lk, device=q.device)[None, None, :]
+            )
+            visible = (offset >= 0) & (torch.arange(Lk, device=q.device) < k_lengths[:, None, None])
+            self._padding = q_slots, k_slots, visible, offset
+        q_slots, k_slots, visible, offset = self._padding
         if window is not None:
-            i = torch.arange(L, device=q.device)
-            visible = visible & (i[:, None] - i[None, :] < window)
+            visible = visible & (offset < window)
 
-        def padded(x):  # (T, heads, D) -> (N, heads, L, D), zeros past each sequence
+        def padded(x, slots, L):  # (rows, heads, D) -> (N, heads, L, D), zeros past each sequence
             full = x.new_zeros(N * L, *x.shape[1:]).index_copy(0, slots, x)
             return full.view(N, L, *x.shape[1:]).transpose(1, 2)
 
         groups = q.shape[1] // k.shape[1]
-        qp, kp, vp = padded(q), padded(k), padded(v)
+        qp, kp, vp = padded(q, q_slots, Lq), padded(k, k_slots, Lk), padded(v, k_slots, Lk)
         if groups > 1 and not _SDPA_HAS_GQA:
             kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
         extra = {"enable_gqa": True} if groups > 1 and _SDPA_HAS_GQA else {}
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=visible[:, None], **extra)
-        return o.transpose(1, 2).reshape(N * L, *q.shape[1:])[slots]  # (T, Hq, D)
+        return o.transpose(1, 2).reshape(N * Lq, *q.shape[1:])[q_slots]  # (T, Hq, D)
 
     def _sdpa_loop(self, q, k, v, window) -> torch.Tensor:
-        if self._bounds is None:
-            self._bounds = self.cu_seqlens.tolist()  # one host read per forward, not per layer
+        if self._bounds is None:  # one host read per forward, not per layer
+            bounds, key_bounds = self.cu_seqlens.tolist(), self.cu_seqlens_k.tolist()
+            self._bounds = list(zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]))
         groups = q.shape[1] // k.shape[1]
         gqa = groups > 1 and _SDPA_HAS_GQA
         outs = []
-        for start, end in zip(self._bounds[:-1], self._bounds[1:]):
-            qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
-            ks = k[start:end].transpose(0, 1)  # (Hkv, L, D)
-            vs = v[start:end].transpose(0, 1)  # (Hkv, L, D)
+        for start, end, k_start, k_end in self._bounds:
+            qs = q[start:end].transpose(0, 1)  # (Hq, Lq, D)
+            ks = k[k_start:k_end].transpose(0, 1)  # (Hkv, Lk, D)
+            vs = v[k_start:k_end].transpose(0, 1)  # (Hkv, Lk, D)
             if groups > 1 and not gqa:
-                ks = ks.repeat_interleave(groups, dim=0)  # (Hq, L, D)
-                vs = vs.repeat_interleave(groups, dim=0)  # (Hq, L, D)
+                ks = ks.repeat_interleave(groups, dim=0)  # (Hq, Lk, D)
+                vs = vs.repeat_interleave(groups, dim=0)  # (Hq, Lk, D)
             extra = {"enable_gqa": True} if gqa else {}
-            if window is not None and end - start > window:
-                mask = _causal_mask(end - start, window, q.device)  # (L, L)
+            Lq, Lk = end - start, k_end - k_start
+            if Lq != Lk or (window is not None and Lk > window):
+                mask = _causal_mask(Lq, window, q.device, Lk)  # (Lq, Lk)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, **extra)
             else:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, **extra)
-            outs.append(o.transpose(0, 1))  # (L, Hq, D)
+            outs.append(o.transpose(0, 1))  # (Lq, Hq, D)
         return torch.cat(outs)  # (T, Hq, D)
+
+
+def _padded_slots(cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """(T,) slot of each packed row in a (N, width) padded layout of its sequences."""
+    lengths = cu_seqlens.diff().long()  # (N,)
+    sequence = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=lengths.device), lengths
+    )
+    return sequence * width + packed_positions(cu_seqlens).long()
 
 
 class FlashVarlenCausal(torch.autograd.Function):
@@ -216,35 +298,37 @@ class FlashVarlenCausal(torch.autograd.Function):
     forward reads each k/v head for all its query heads, and the backward sums dk/dv over a
     group inside ATen. Same kernels, same numerics as `varlen_attn` on repeated k/v.
 
-    apply(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), cu_seqlens (N + 1,) int32, max_seqlen,
-    window or None) -> (T, Hq, D). No dropout; the default 1/sqrt(D) scale.
+    apply(q (T, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, D), cu_seqlens_q (N + 1,) int32,
+    cu_seqlens_k (N + 1,) int32, max_seqlen_q, max_seqlen_k, window or None) -> (T, Hq, D). The
+    causal mask is aligned to the end of each sequence's keys. No dropout; the default 1/sqrt(D)
+    scale.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, window: int | None):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, window: int | None):
         left = -1 if window is None else window - 1  # flash counts the keys before the query
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
             q,
             k,
             v,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
             0.0,
             window is None,
             False,
             window_size_left=left,
             window_size_right=0,
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
-        ctx.max_seqlen, ctx.window = max_seqlen, window
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
+        ctx.max_q, ctx.max_k, ctx.window = max_q, max_k, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
-        n, window = ctx.max_seqlen, ctx.window
+        q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
+        window = ctx.window
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad_out.contiguous(),
             q,
@@ -252,10 +336,10 @@ class FlashVarlenCausal(torch.autograd.Function):
             v,
             out,
             lse,
-            cu,
-            cu,
-            n,
-            n,
+            cu_q,
+            cu_k,
+            ctx.max_q,
+            ctx.max_k,
             0.0,
             window is None,
             rng_state,
@@ -263,7 +347,7 @@ class FlashVarlenCausal(torch.autograd.Function):
             window_size_left=-1 if window is None else window - 1,
             window_size_right=0,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # FASTGRPO_FLASH_AUTOGRAD=0 sends training attention through `varlen_attn` instead (to compare)

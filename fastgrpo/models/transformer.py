@@ -45,7 +45,7 @@ from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
 from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
 from fastgrpo.kernels.swiglu import silu_mul, silu_mul_linear_train
-from fastgrpo.models.attention import PackedCausalAttention
+from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
 from fastgrpo.models.packed import PackedLinears, packed_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -548,9 +548,12 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)  # (T, V)
 
-    def packed_attention(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedCausalAttention:
-        """The training-time callback for these packed rows, with this model's sliding windows."""
-        return PackedCausalAttention(cu_seqlens, max_seqlen, self.config.layer_windows)
+    def packed_attention(
+        self, cu_seqlens: torch.Tensor, max_seqlen: int, keys: SharedKeys | None = None
+    ) -> PackedCausalAttention:
+        """The training-time callback for these packed rows (`keys`: where each sequence's keys
+        are, when prompts are shared), with this model's sliding windows."""
+        return PackedCausalAttention(cu_seqlens, max_seqlen, self.config.layer_windows, keys=keys)
 
 
 def _drop_derived_keys(module, state_dict, prefix, *args) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastgrpo.models.attention import packed_positions
@@ -110,10 +111,11 @@ class WaveBuffers:
         cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)  # (P + 1,)
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)  # (T,)
         positions = packed_positions(cu)  # (T,) position of each token within its prompt
-        prompt = torch.repeat_interleave(torch.arange(len(prompts)), lens)  # (T,)
+        # numpy's repeat: torch's CPU repeat_interleave took ~2 ms a call on the H100 machine
+        prompt = torch.from_numpy(np.repeat(np.arange(len(prompts)), lens.numpy()))  # (T,)
         slots = prompt * self.cache.prompt_k[0].shape[1] + positions  # (T,) in the prompt cache
         self.cache.prompt_lens.copy_(lens)
-        self.base_positions.copy_(lens.repeat_interleave(self.group))
+        self.base_positions.copy_(torch.from_numpy(np.repeat(lens.numpy(), self.group)))
         self.seeds.copy_(seeds)
         self.state.reset()
         cu = cu.to(device)

@@ -21,13 +21,16 @@ from fastgrpo.kernels.lm_head_grpo_loss import (
     token_weights,
 )
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.models.transformer import Transformer
 from fastgrpo.rollout import Rollout
+from fastgrpo.train import logprobs as logprobs_module
 from fastgrpo.train.batching import plan_micro_batches
 from fastgrpo.train.logprobs import (
     completion_logprobs,
     concat_rollouts,
     kept_hidden,
     lm_head_weight,
+    prompt_groups,
     trim_padding,
     unpack,
 )
@@ -196,7 +199,9 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
             sub = rollout.rows(index)
             num_tokens = sub.completion_mask.sum().clamp(min=1)
             active = (advantages[index] != 0) | (not zero_grad_possible)  # rows that move weights
-            micro = _micro_batches(sub, advantages[index], active, t.micro_batch_tokens)
+            micro = _micro_batches(
+                sub, advantages[index], active, t.micro_batch_tokens, isinstance(model, Transformer)
+            )
             minis.append((micro, per_mini, num_tokens))
         if ref_model is not None:
             for micro, _, _ in minis:
@@ -294,12 +299,21 @@ def _optimizer_step(model, optimizer, scheduler, max_grad_norm: float) -> float 
     return norm
 
 
-def _micro_batches(sub: Rollout, advantages, active, token_budget: int) -> list[MicroBatch]:
+def _micro_batches(
+    sub: Rollout, advantages, active, token_budget: int, packed: bool
+) -> list[MicroBatch]:
+    """The rows that move the weights, in micro-batches of the token budget; `packed`: the native
+    model's forward, which packs rows without padding and each shared prompt once."""
     index = active.nonzero().squeeze(-1)
     if index.numel() == 0:
         return []
     chosen = sub.rows(index)
+    groups = None
+    if packed:
+        groups = prompt_groups(chosen.prompt_ids, chosen.prompt_mask)
+        if not logprobs_module.SHARE_PROMPTS:
+            groups = torch.arange(len(groups))
     plan = plan_micro_batches(
-        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget
+        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget, groups
     )
     return [MicroBatch(trim_padding(chosen.rows(rows)), advantages[index][rows]) for rows in plan]

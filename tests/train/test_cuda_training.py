@@ -41,7 +41,17 @@ def test_training_on_cuda_picks_bf16_and_produces_finite_metrics(tiny_model_dir,
     assert all(t.dtype == torch.bfloat16 for t in saved.values())
 
 
-def test_fused_and_reference_paths_give_the_same_bf16_training_curve(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("reference", ["plain-lm-head", "all-plain"])
+def test_fused_and_reference_paths_give_the_same_bf16_training_curve(
+    tiny_model_dir, tmp_path, reference, monkeypatch
+):
+    """The fast path (fused LM-head loss, fused training kernels, shared prompts) against the
+    reference path: the fused LM head off alone, or the whole trainer side off (PyTorch ops, each
+    row with its own copy of the prompt; the rollout engine is the same in both). Same seed: the same rewards while no sample differs, and the same
+    loss within bf16 noise."""
+    from fastgrpo.models import transformer
+    from fastgrpo.train import logprobs
+
     reward_file = tmp_path / "rewards.py"
     reward_file.write_text(
         "def digit_share(prompts, completions, **kw):\n"
@@ -49,6 +59,12 @@ def test_fused_and_reference_paths_give_the_same_bf16_training_curve(tiny_model_
     )
     history = {}
     for mode in ("off", "on"):
+        plain = mode == "off" and reference == "all-plain"
+        if plain:  # the trainer's forwards on PyTorch ops; the rollout engine stays as it is
+            monkeypatch.setattr(transformer, "use_train_kernels", lambda x: False)
+        else:
+            monkeypatch.undo()
+        monkeypatch.setattr(logprobs, "SHARE_PROMPTS", not plain)
         overrides = [
             f"model.name={tiny_model_dir}",
             "model.device=cuda",
@@ -67,6 +83,7 @@ def test_fused_and_reference_paths_give_the_same_bf16_training_curve(tiny_model_
         ]
         history[mode] = run_training(None, overrides=overrides).history
     assert history["on"][0]["active_rows_frac"] > 0
+    assert history["on"][0]["reward/mean"] == history["off"][0]["reward/mean"]  # same rollout
     for ref, fused in zip(history["off"], history["on"]):
         if (
             ref["reward/mean"] != fused["reward/mean"]

@@ -161,3 +161,42 @@ def test_reference_scoring_over_merged_micro_batches_gives_each_micro_batchs_log
     config.train.micro_batch_tokens = 1  # one forward per micro-batch: the same values
     for a, b in zip(_score(model, micro, config, fused=False), got):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_shared_prompts_give_the_per_row_logprobs_and_gradients(tiny_model):
+    """`pack_rows` packs each prompt once for its rows; log-probs and parameter gradients equal
+    those of a forward that copies the prompt into every row, rows keeping one token or none
+    included, and the shared forward feeds each prompt's tokens once."""
+    from fastgrpo.train.logprobs import pack_rows
+
+    model, tokenizer = tiny_model
+    rollout = trim_padding(_rollout(model, tokenizer, max_new_tokens=8))
+    mask = rollout.completion_mask.clone()
+    mask[1] = 0  # keeps nothing: not fed at all
+    mask[4, 1:] = 0  # keeps one token: predicted by its prompt's last token only
+    rollout = Rollout(
+        rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, mask, rollout.finished
+    )
+    results = []
+    for share in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("fastgrpo.train.logprobs.SHARE_PROMPTS", share)
+            model.zero_grad()
+            logp, entropy = completion_logprobs(model, rollout, with_entropy=True)
+            (logp.sum() + entropy.sum()).backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (shared, shared_grads), (copied, copied_grads) = results
+    torch.testing.assert_close(shared, copied, rtol=0, atol=1e-5)
+    assert (shared[1] == 0).all() and (shared[4, 1:] == 0).all() and shared[4, 0] < 0
+    for a, b in zip(shared_grads, copied_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    prompt_len = rollout.prompt_mask.sum(-1)
+    fed = mask.sum(-1) - 1  # completion tokens fed per row
+    live = fed >= 0
+    layouts = [pack_rows(rollout.prompt_ids, rollout.prompt_mask, mask, s) for s in (True, False)]
+    # rows 0, 2 share prompt 0 (row 1 is not fed), rows 3-5 prompt 1
+    want_shared = int(prompt_len[0] + prompt_len[3] + fed[live].sum())
+    assert layouts[0].tokens.numel() == want_shared
+    assert layouts[1].tokens.numel() == int((prompt_len + fed)[live].sum())
+    assert layouts[1].keys is None and layouts[0].keys is not None
