@@ -184,6 +184,14 @@ class RewardSet:
     def __len__(self) -> int:
         return len(self._terms)
 
+    def values_of(self, function: RewardFunction, result: RewardResult) -> list[float] | None:
+        """The values `function` gave in `result` when it is one of this set's rewards and none
+        of them failed (so a metric needs not score the batch again), else None."""
+        for term in self._terms:
+            if term.function is function and not result.failures.get(term.name):
+                return result.per_reward.get(term.name)
+        return None
+
     def __repr__(self) -> str:
         terms = ", ".join(f"{term.name}*{term.weight:g}" for term in self._terms)
         return f"RewardSet({terms})"

@@ -396,7 +396,10 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
         columns = reward_columns(examples, r.num_generations)
         scored = rewards(prompts, completions, columns)
         reward = torch.tensor(scored.total, dtype=torch.float32, device=model.device)  # (B,)
-        accuracy = sum(math_accuracy(prompts, completions, **columns)) / len(completions)
+        correct = rewards.values_of(math_accuracy, scored)  # the default reward: scored above
+        if correct is None:
+            correct = math_accuracy(prompts, completions, **columns)
+        accuracy = sum(correct) / len(completions)
         advantages = group_advantages(
             reward, r.num_generations, scale=a.scale_rewards, baseline=a.baseline
         )  # (B,)

@@ -172,3 +172,21 @@ def test_mismatched_prompt_and_completion_counts_are_rejected():
     rewards = RewardSet([("format", answer_format, 1.0)])
     with pytest.raises(ValueError, match="2 prompts for 3 completions"):
         rewards(["q", "q"], COMPLETIONS)
+
+
+def test_values_of_gives_a_rewards_own_values_unless_it_failed():
+    """The trainer's accuracy metric reuses math_accuracy's values when it is a configured
+    reward, instead of scoring the batch twice; a failed or absent reward gives None."""
+    from fastgrpo.rewards import math_accuracy
+
+    rewards = RewardSet.from_specs(["math_accuracy", {"name": "answer_format", "weight": 0.5}])
+    completions = ["The answer is 7", "The answer is 8"]
+    result = rewards(["q", "q"], completions, {"answer": ["7", "7"]})
+    assert rewards.values_of(math_accuracy, result) == [1.0, 0.0]
+    assert rewards.values_of(math_accuracy, result) == math_accuracy(
+        ["q", "q"], completions, answer=["7", "7"]
+    )
+    assert RewardSet.from_specs(["answer_format"]).values_of(math_accuracy, result) is None
+    failed = rewards(["q", "q"], completions, {})  # no answer column: math_accuracy fails
+    assert failed.failures["math_accuracy"] == 2
+    assert rewards.values_of(math_accuracy, failed) is None
