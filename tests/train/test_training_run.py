@@ -420,3 +420,34 @@ def test_fused_lm_head_on_with_a_cpu_model_and_no_interpreter_says_what_to_do(
     )
     with pytest.raises(ValueError, match="need the model on a CUDA GPU"):
         run_training(None, overrides=overrides)
+
+
+def test_shared_prompts_give_the_per_row_training_curve(tiny_model_dir, tmp_path, monkeypatch):
+    """Fixed seed, fp32 CPU: packing each prompt once for its samples (the default) and packing a
+    copy per row give the same samples, metrics and final weights, with two inner epochs and a
+    KL term so that the old and reference log-probs take the shared layout too."""
+    from fastgrpo.train import logprobs
+
+    reward_file = write_test_rewards(tmp_path)
+    runs = {}
+    for share in (False, True):
+        monkeypatch.setattr(logprobs, "SHARE_PROMPTS", share)
+        name = "shared" if share else "copies"
+        overrides = tiny_overrides(
+            tiny_model_dir,
+            tmp_path / name,
+            steps=3,
+            **{
+                "rewards": f"['{reward_file}:digit_share']",
+                "algo.beta": 0.05,
+                "train.num_iterations": 2,
+            },
+        )
+        runs[name] = run_training(None, overrides=overrides)
+    for copies, shared in zip(runs["copies"].history, runs["shared"].history):
+        assert shared["reward/mean"] == pytest.approx(copies["reward/mean"], abs=1e-6)
+        for key in ("loss", "entropy", "ratio_mean", "grad_norm", "kl"):
+            assert shared[key] == pytest.approx(copies[key], rel=1e-4, abs=1e-6), key
+    final_copies = weights(latest_checkpoint(tmp_path / "copies"))
+    final_shared = weights(latest_checkpoint(tmp_path / "shared"))
+    assert_same_update(tiny_model_dir, final_copies, final_shared, 1e-3)
