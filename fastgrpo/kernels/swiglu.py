@@ -82,11 +82,13 @@ if triton is not None:
         gate_up_ptr,  # (rows, 2 * cols), unit column stride, rows `row_stride` elements apart
         d_out_ptr,  # (rows * cols,) contiguous
         d_gate_up_ptr,  # (rows, 2 * cols) contiguous
+        act_ptr,  # (rows * cols,) contiguous: silu(gate) * up again, when WRITE_ACT
         n,
         cols,
         row_stride,
         BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
+        WRITE_ACT: tl.constexpr,
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -96,10 +98,14 @@ if triton is not None:
         g = tl.load(gate_up_ptr + src, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gate_up_ptr + src + cols, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(d_out_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        s = tl.math.div_rn(1.0, 1.0 + _exp(-g, LIBDEVICE))  # sigmoid(g): 0 when exp overflows
+        e = _exp(-g, LIBDEVICE)
+        s = tl.math.div_rn(1.0, 1.0 + e)  # sigmoid(g): 0 when exp overflows
         dtype = d_gate_up_ptr.dtype.element_ty
         tl.store(d_gate_up_ptr + dst, (dy * u * s * (1.0 + g * (1.0 - s))).to(dtype), mask=ok)
         tl.store(d_gate_up_ptr + dst + cols, (dy * (g * s)).to(dtype), mask=ok)
+        if WRITE_ACT:  # the forward kernel's exact steps and roundings
+            silu = tl.math.div_rn(g, 1.0 + e).to(dtype)
+            tl.store(act_ptr + offs, (silu.to(tl.float32) * u).to(dtype), mask=ok)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -144,9 +150,12 @@ def silu_mul_backward_triton(
     gate_up: torch.Tensor,  # (T, 2I), unit column stride
     d_out: torch.Tensor,  # (T, I)
     inner: int,
-) -> torch.Tensor:
+    with_act: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(T, 2I) contiguous [d_gate | d_up] of silu(gate) * up at gate_up, given d_out, by one
-    Triton kernel. No host sync, so it can be captured in a CUDA graph."""
+    Triton kernel; `with_act`: also (T, I) silu(gate) * up, bitwise `silu_mul_triton`'s, from the
+    same read of gate_up (the down projection's weight gradient needs it). No host sync, so it
+    can be captured in a CUDA graph."""
     if triton is None:
         raise RuntimeError("the Triton SiLU-mul kernel needs `pip install triton`")
     _check_gate_up_shape(gate_up, inner)
@@ -164,21 +173,25 @@ def silu_mul_backward_triton(
         raise ValueError("gate_up and d_out must live on one device")
     d_out = d_out.contiguous()  # a no-op for the usual gradient; an expanded one gets copied
     d_gate_up = torch.empty(T, 2 * inner, dtype=gate_up.dtype, device=gate_up.device)
+    act = torch.empty(T, inner, dtype=gate_up.dtype, device=gate_up.device) if with_act else None
     n = T * inner
-    if n == 0:
-        return d_gate_up
-    _silu_mul_backward_kernel[(triton.cdiv(n, BLOCK),)](
-        gate_up,
-        d_out,
-        d_gate_up,
-        n,
-        inner,
-        gate_up.stride(0),
-        BLOCK=BLOCK,
-        LIBDEVICE=not _interpreting(),
-        num_warps=4,
-    )
-    return d_gate_up
+    if n > 0:
+        _silu_mul_backward_kernel[(triton.cdiv(n, BLOCK),)](
+            gate_up,
+            d_out,
+            d_gate_up,
+            d_gate_up if act is None else act,
+            n,
+            inner,
+            gate_up.stride(0),
+            BLOCK=BLOCK,
+            LIBDEVICE=not _interpreting(),
+            WRITE_ACT=with_act,
+            num_warps=4,
+            enable_fp_fusion=False,  # as the forward kernel: act bitwise the forward's
+            enable_reflect_ftz=False,
+        )
+    return (d_gate_up, act) if with_act else d_gate_up
 
 
 def _check_gate_up_shape(gate_up: torch.Tensor, inner: int) -> None:
@@ -269,13 +282,16 @@ class _SiluMulLinear(torch.autograd.Function):
         wants_input, _, wants_weight, wants_bias = ctx.needs_input_grad
         d_out = d_out.contiguous()
         d_gate_up = d_weight = d_bias = None
+        act = None
+        if wants_input:  # one kernel for [d_gate | d_up] and, for d_weight, silu(gate) * up
+            out = silu_mul_backward_triton(gate_up, d_out @ weight, ctx.inner, wants_weight)
+            d_gate_up, act = out if wants_weight else (out, None)  # (T, 2I), (T, I)
         if wants_weight:
-            gate, up = gate_up.split(ctx.inner, dim=-1)
-            d_weight = d_out.t() @ silu_mul_triton(gate, up)  # (out, I)
+            if act is None:
+                act = silu_mul_triton(*gate_up.split(ctx.inner, dim=-1))  # (T, I)
+            d_weight = d_out.t() @ act  # (out, I)
         if wants_bias and ctx.has_bias:
             d_bias = d_out.sum(0)
-        if wants_input:
-            d_gate_up = silu_mul_backward_triton(gate_up, d_out @ weight, ctx.inner)  # (T, 2I)
         return d_gate_up, None, d_weight, d_bias
 
 

@@ -100,28 +100,31 @@ class SharedKeys:
 
 
 class _GatherRows(torch.autograd.Function):
-    """x[rows] whose backward sums repeated rows in fp32 or wider (a prompt's k/v gets G
-    gradients)."""
+    """x[rows] for each x, one autograd node for all; the backward sums repeated rows in fp32 or
+    wider (a prompt's k/v gets G gradients)."""
 
     @staticmethod
-    def forward(ctx, x, rows):
+    def forward(ctx, rows, *xs):
         ctx.save_for_backward(rows)
-        ctx.rows_of_x = x.shape[0]
-        return x.index_select(0, rows)
+        ctx.rows_of_x = [x.shape[0] for x in xs]
+        return tuple(x.index_select(0, rows) for x in xs)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         (rows,) = ctx.saved_tensors
-        wide = torch.promote_types(grad.dtype, torch.float32)
-        total = grad.new_zeros((ctx.rows_of_x, *grad.shape[1:]), dtype=wide)
-        return total.index_add_(0, rows, grad.to(wide)).to(grad.dtype), None
+        out = []
+        for grad, n in zip(grads, ctx.rows_of_x):
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            total = grad.new_zeros((n, *grad.shape[1:]), dtype=wide)
+            out.append(total.index_add_(0, rows, grad.to(wide)).to(grad.dtype))
+        return (None, *out)
 
 
-def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x[rows] (rows may repeat), with a backward that adds up repeats in fp32."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _GatherRows.apply(x, rows)
-    return x.index_select(0, rows)
+def gather_rows(rows: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x[rows] for each x (rows may repeat), with a backward that adds up repeats in fp32."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        return _GatherRows.apply(rows, *xs)
+    return tuple(x.index_select(0, rows) for x in xs)
 
 
 class PackedCausalAttention:
@@ -164,7 +167,7 @@ class PackedCausalAttention:
         if window is not None and window >= self.max_seqlen_k:
             window = None  # every key is inside the window anyway
         if self.keys is not None:
-            k, v = gather_rows(k, self.keys.rows), gather_rows(v, self.keys.rows)  # (Tk, Hkv, D)
+            k, v = gather_rows(self.keys.rows, k, v)  # (Tk, Hkv, D) each
         if self._varlen_applies(q, window):
             return self._varlen(q, k, v, window)
         N, T = self.cu_seqlens.numel() - 1, q.shape[0]

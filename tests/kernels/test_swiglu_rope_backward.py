@@ -347,3 +347,20 @@ def test_bf16_silu_mul_linear_train_at_a_real_shape_matches_the_two_step_path():
 
     for name, a, b in zip(("out", "d_gate_up", "d_weight"), run(True), run(False)):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=name)
+
+
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_backward_also_gives_the_forwards_activation_bitwise(dtype, shape):
+    """`with_act`: the backward kernel recomputes silu(gate) * up for the down projection's weight
+    gradient; it must be the forward kernel's value to the bit, and [d_gate | d_up] must not
+    change."""
+    T, inner = shape
+    gate_up = _gate_up(T, inner, dtype, seed=3 * T + inner)
+    d_out = _randn(T, inner, dtype=dtype, seed=T + 5)
+    d_gate_up, act = swiglu.silu_mul_backward_triton(gate_up, d_out, inner, with_act=True)
+    assert torch.equal(act, swiglu.silu_mul_triton(*gate_up.split(inner, dim=-1)))
+    assert torch.equal(d_gate_up, swiglu.silu_mul_backward_triton(gate_up, d_out, inner))
+    _, torch_grad = _silu_mul_and_grad(_torch_silu_mul, gate_up, d_out, inner)
+    _, exact = _silu_mul_and_grad(_torch_silu_mul, gate_up.double(), d_out.double(), inner)
+    _assert_within_twice_torchs_error(d_gate_up, torch_grad, exact)
