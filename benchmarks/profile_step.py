@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_rollout import SHAPES  # noqa: E402
 from bench_step import PHASES, fastgrpo_trainer, random_prompts, synthetic_tokenizer  # noqa: E402
 
+from fastgrpo.config import TrainConfig  # noqa: E402
+from fastgrpo.train import profiling  # noqa: E402
 from fastgrpo.train.loop import grpo_step  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -83,7 +85,7 @@ def summarize(trace: dict, top: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=("0.5B", "1.5B"), default="0.5B")
-    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--micro-batch-tokens", type=int, default=TrainConfig.micro_batch_tokens)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=25, help="update kernels listed")
@@ -93,6 +95,7 @@ def main():
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
     args = parser.parse_args()
+    profiling.SYNCHRONIZE_PHASES = True  # kernels are attributed to phases by time
     if args.tiny:
         args.shape = "tiny"
     args.prompts, args.samples, args.prompt_len, args.completion_len = 8, 8, 128, 256

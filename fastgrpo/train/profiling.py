@@ -33,41 +33,97 @@ def phase(name: str):
             torch.cuda.nvtx.range_pop()
 
 
-class PhaseTimer:
-    """Wall seconds per phase of one step, as `time/<name>` entries of `times`.
+# True: the GPU phase timer also waits for the device at every phase boundary (profiles)
+SYNCHRONIZE_PHASES = False
 
-    `with timer("update"):` times a phase and labels it with `phase("grpo/update")`. On a GPU the
-    device is synchronised as a phase starts and ends, so its kernels count in it and in no other
-    phase; on the CPU nothing waits. A phase run several times (the optimizer steps of a rollout)
-    adds up, and a phase nested in another is left out of the outer one's time: "update" is the
-    forward and backward passes, "optimizer" the steps between them.
+
+class PhaseTimer:
+    """Seconds per phase of one step, as `time/<name>` entries of `times`.
+
+    `with timer("update"):` times a phase and labels it with `phase("grpo/update")`. A phase run
+    several times (the optimizer steps of a rollout) adds up, and a phase nested in another is
+    left out of the outer one's time: "update" is the forward and backward passes, "optimizer"
+    the steps between them.
+
+    On a GPU the phases are CUDA events on the current stream, read when `times` is (one wait, at
+    the end of the step), not a synchronisation at every boundary: each phase spans the GPU's
+    timeline from its start marker to its end marker, so its kernels count in it and in no other
+    phase, and the host can queue the next phase while the GPU finishes this one (a host-only
+    phase, such as the reward's text round trip, spans the time the host spent on it). On the
+    CPU, wall time. `SYNCHRONIZE_PHASES` (set by benchmarks/profile_step.py, which attributes
+    kernels to phases by time) also makes the host wait for the GPU at each boundary.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.times: dict[str, float] = {}
-        self._nested = [0.0]  # per open phase: seconds spent in the phases nested in it
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._cuda = device.type == "cuda"
+        self._order: dict[str, None] = {}  # phases in the order they start
+        self._cpu_times: dict[str, float] = {}
+        self._nested = [0.0]  # CPU: per open phase, seconds spent in the phases nested in it
+        # GPU: per phase run, [key, start event, end event, index of the enclosing run or -1]
+        self._spans: list[list] = []
+        self._open: list[int] = []
 
     @contextmanager
     def __call__(self, name: str):
         key = f"time/{name}"
-        self.times.setdefault(key, 0.0)  # metrics list the phases in the order they start
-        self._synchronize()
+        self._order.setdefault(key)
+        if self._cuda:
+            with self._gpu_span(key), phase(f"grpo/{name}"):
+                yield
+            return
+        self._cpu_times.setdefault(key, 0.0)
         self._nested.append(0.0)
         start = time.perf_counter()
         try:
             with phase(f"grpo/{name}"):
                 yield
-                self._synchronize()
         finally:
             elapsed = time.perf_counter() - start
             nested = self._nested.pop()
             self._nested[-1] += elapsed
-            self.times[key] += elapsed - nested
+            self._cpu_times[key] += elapsed - nested
+
+    @contextmanager
+    def _gpu_span(self, key: str):
+        if SYNCHRONIZE_PHASES:
+            torch.cuda.synchronize(self.device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        index = len(self._spans)
+        self._spans.append([key, start, None, self._open[-1] if self._open else -1])
+        self._open.append(index)
+        try:
+            yield
+        finally:
+            if SYNCHRONIZE_PHASES:
+                torch.cuda.synchronize(self.device)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans[index][2] = end
+            self._open.pop()
+
+    @property
+    def times(self) -> dict[str, float]:
+        """{"time/<phase>": seconds}; on a GPU this waits for the phases' end markers."""
+        if not self._cuda:
+            return {key: self._cpu_times[key] for key in self._order}
+        finished = [span for span in self._spans if span[2] is not None]
+        if finished:
+            finished[-1][2].synchronize()
+            torch.cuda.synchronize(self.device)  # every marker, whatever its stream
+        seconds = [
+            span[1].elapsed_time(span[2]) / 1e3 if span[2] is not None else 0.0
+            for span in self._spans
+        ]
+        own = list(seconds)
+        for index, span in enumerate(self._spans):
+            if span[3] >= 0:
+                own[span[3]] -= seconds[index]
+        out = dict.fromkeys(self._order, 0.0)
+        for span, value in zip(self._spans, own):
+            out[span[0]] += value
+        return out
 
 
 def profiled_steps(num_steps: int, start_step: int, total_steps: int) -> tuple[int, int] | None:

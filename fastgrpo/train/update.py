@@ -240,12 +240,14 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
                 if norm is not None:
                     grad_norms.append(norm)
     names = list(totals)
-    values = torch.stack([totals[n] for n in names] + [weight_sum, loss_sum]).tolist()  # one sync
-    *sums, weight_sum, loss_sum = values
+    norms = [n.float().to(weight_sum.device) for n in grad_norms]
+    values = torch.stack([totals[n] for n in names] + [weight_sum, loss_sum] + norms).tolist()
+    k = len(names)  # one sync above for every metric
+    sums, (weight_sum, loss_sum), norms = values[:k], values[k : k + 2], values[k + 2 :]
     out = {name: value / weight_sum for name, value in zip(names, sums)} if weight_sum else {}
     out["loss"] = loss_sum / (t.num_iterations * t.mini_batches)  # mean over optimizer steps
-    if grad_norms:
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if norms:
+        out["grad_norm"] = sum(norms) / len(norms)
     out["active_rows_frac"] = (
         sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
     )
@@ -287,13 +289,14 @@ def _score(model, micro: list[MicroBatch], config: Config, fused: bool) -> list[
     return out
 
 
-def _optimizer_step(model, optimizer, scheduler, max_grad_norm: float) -> float | None:
-    """Clip the gradients (max_grad_norm > 0), step AdamW and the schedule; the gradient norm."""
+def _optimizer_step(model, optimizer, scheduler, max_grad_norm: float) -> torch.Tensor | None:
+    """Clip the gradients (max_grad_norm > 0), step AdamW and the schedule; the gradient norm,
+    a 0-d tensor on the device (read with the other metrics, so the host does not wait here)."""
     norm = None
     if max_grad_norm > 0:
         params = [p for p in model.parameters() if p.grad is not None]
         if params:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     scheduler.step()
     return norm

@@ -141,3 +141,28 @@ def test_train_profile_flag_is_parsed():
     args = build_parser().parse_args(["train", "--profile", "3"])
     assert args.profile == 3
     assert build_parser().parse_args(["train"]).profile is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_phase_timer_on_a_gpu_reads_event_spans_once_at_the_end():
+    """CUDA events instead of a synchronisation at each boundary: host-only phases span the host's
+    time (the GPU is idle when their markers are recorded), nesting is left out of the outer
+    phase, and a phase of GPU work gets that work's time even though the host left it at once."""
+    timer = PhaseTimer(torch.device("cuda"))
+    with timer("update"):
+        time.sleep(0.02)
+        for _ in range(2):
+            with timer("optimizer"):
+                time.sleep(0.05)
+    x = torch.randn(4096, 4096, device="cuda")
+    start = time.perf_counter()
+    with timer("gpu"):
+        for _ in range(50):
+            x = torch.tanh(x @ x)
+    queued = time.perf_counter() - start  # the host only queued the work
+    times = timer.times
+    assert list(times) == ["time/update", "time/optimizer", "time/gpu"]
+    assert 0.099 <= times["time/optimizer"] < 0.2
+    assert 0.019 <= times["time/update"] < times["time/optimizer"]
+    assert times["time/gpu"] > queued  # 50 GEMMs of 4096^3 take longer than queueing them
