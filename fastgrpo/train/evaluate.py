@@ -12,7 +12,9 @@ from fastgrpo.rollout import generate_rollout
 def decode_completions(tokenizer, rollout) -> list[str]:
     """Completion text of each row, cut after its stop token, special tokens removed."""
     lengths = rollout.completion_mask.sum(-1).long().tolist()
-    rows = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(), lengths)]
+    # numpy rows: transformers turns each into a list in one call, where a list of ints is
+    # checked element by element (~7 ms of a 64 x 256-token batch)
+    rows = [ids[:n] for ids, n in zip(rollout.completion_ids.cpu().numpy(), lengths)]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 

@@ -211,3 +211,49 @@ def test_math_accuracy_rejects_answers_of_the_wrong_length():
 def test_unmarked_latex_fraction_at_the_end_is_read_whole():
     assert extract_answer("Dividing, x = \\frac{3}{4}") == "3/4"
     assert math_accuracy(["q"], ["so each gets \\dfrac{10}{4} cups"], answer=["2.5"]) == [1.0]
+
+
+def test_last_number_scans_only_the_end_and_finds_what_a_whole_scan_finds():
+    """`_last_number` starts its scan at a whitespace before the last digit; on texts of many
+    numbers (thousands separators, decimals, fractions, signs, LaTeX fractions, digits inside
+    words) it must give what scanning the whole text gives."""
+    import random
+
+    from fastgrpo.rewards import math as math_reward
+
+    def whole_scan(text):
+        text = math_reward._LATEX_FRACTION.sub(r"\1/\2", text)
+        numbers = math_reward._NUMBER_IN_TEXT.findall(text)
+        return numbers[-1] if numbers else None
+
+    pieces = [
+        "1,234,567",
+        "3.25",
+        "-7",
+        "\u22124",
+        "16-3",
+        "3/4",
+        "\\frac{5}{8}",
+        "t123",
+        "x",
+        "apples",
+        "=",
+        "(2)",
+        "[9]",
+        ".5",
+        "12.",
+        "1,23",
+        "\n",
+        "  ",
+        "\t",
+        "$18",
+        "50%",
+    ]
+    generator = random.Random(0)
+    for _ in range(400):
+        words = [generator.choice(pieces) for _ in range(generator.randint(0, 120))]
+        sep = generator.choice(["", " ", " ", "\n"])
+        text = sep.join(words)
+        assert math_reward._last_number(text) == whole_scan(text), text
+    long_number = "9" * 200  # longer than the window: the scan starts at the space before it
+    assert math_reward._last_number("a 1 " + long_number) == long_number
