@@ -7,8 +7,10 @@ the evaluation's forked RNG) is reproducible exactly as with HF `generate`.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
+import numpy as np
 import torch
 
 from fastgrpo.rollout.engine import RolloutEngine
@@ -30,13 +32,12 @@ def engine_for(model, stop_ids: list[int], pad_id: int) -> RolloutEngine:
 
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), both (B, max length), rows aligned to the right."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row) :] = torch.tensor(row)
-        mask[b, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
+    lengths = np.array([len(r) for r in rows])
+    width = int(lengths.max())
+    mask = np.arange(width) >= (width - lengths)[:, None]  # (B, width): the right-aligned tokens
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    ids[mask] = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(lengths.sum()))
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask.astype(np.int64)).to(device)
 
 
 @torch.no_grad()
