@@ -20,6 +20,7 @@ import torch
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
+from fastgrpo.transfer import to_device
 
 
 @dataclass
@@ -118,12 +119,12 @@ class WaveBuffers:
         self.base_positions.copy_(torch.from_numpy(np.repeat(lens.numpy(), self.group)))
         self.seeds.copy_(seeds)
         self.state.reset()
-        cu = cu.to(device)
+        cu = to_device(cu, device)
         packed = model.packed_attention(cu, int(lens.max()))
-        attend = PrefillAttention(self.cache, slots.to(device), packed)
+        attend = PrefillAttention(self.cache, to_device(slots, device), packed)
         hidden = model(
-            flat.to(device),
-            positions.to(device),
+            to_device(flat, device),
+            to_device(positions, device),
             attend,
             position_bound=self.position_bound,
             fused_ops=True,

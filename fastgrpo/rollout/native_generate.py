@@ -16,6 +16,7 @@ import torch
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.types import Rollout
+from fastgrpo.transfer import to_device
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -37,7 +38,10 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     mask = np.arange(width) >= (width - lengths)[:, None]  # (B, width): the right-aligned tokens
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     ids[mask] = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(lengths.sum()))
-    return torch.from_numpy(ids).to(device), torch.from_numpy(mask.astype(np.int64)).to(device)
+    return (
+        to_device(torch.from_numpy(ids), device),
+        to_device(torch.from_numpy(mask.astype(np.int64)), device),
+    )
 
 
 @torch.no_grad()

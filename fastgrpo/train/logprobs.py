@@ -19,6 +19,7 @@ from fastgrpo.kernels.lm_head_logprob import lm_head_logprob
 from fastgrpo.models.attention import SharedKeys
 from fastgrpo.models.transformer import Transformer
 from fastgrpo.rollout.types import Rollout
+from fastgrpo.transfer import to_device
 
 
 def lm_head_weight(model) -> torch.Tensor:
@@ -222,7 +223,7 @@ def pack_rows(
     cu = np.concatenate([[0], np.cumsum(q_lengths)])
     cu_k = np.concatenate([[0], np.cumsum(k_lengths)])
     parts = [tokens, positions, scored, cu, cu_k] + ([] if key_rows is None else [key_rows])
-    joined = torch.from_numpy(np.concatenate(parts)).to(prompt_ids.device)  # one copy
+    joined = to_device(torch.from_numpy(np.concatenate(parts)), prompt_ids.device)  # one copy
     on_device = joined.split([p.size for p in parts])
     tokens, positions, scored, cu, cu_k = on_device[:5]
     keys = None

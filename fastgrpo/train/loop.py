@@ -33,6 +33,7 @@ from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
 from fastgrpo.train.optim import build_optimizer, build_scheduler
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.update import update_policy, use_fused_lm_head
+from fastgrpo.transfer import to_device
 
 log = logging.getLogger("fastgrpo.train")
 
@@ -395,7 +396,7 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
         prompts = [ex.prompt for ex in examples for _ in range(r.num_generations)]
         columns = reward_columns(examples, r.num_generations)
         scored = rewards(prompts, completions, columns)
-        reward = torch.tensor(scored.total, dtype=torch.float32, device=model.device)  # (B,)
+        reward = to_device(torch.tensor(scored.total, dtype=torch.float32), model.device)  # (B,)
         correct = rewards.values_of(math_accuracy, scored)  # the default reward: scored above
         if correct is None:
             correct = math_accuracy(prompts, completions, **columns)
