@@ -8,13 +8,18 @@ copies that read it have finished, so the host tensor may be dropped at once.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# FASTGRPO_PINNED_COPIES=0: plain (blocking) copies, to compare
+PINNED_COPIES = os.environ.get("FASTGRPO_PINNED_COPIES", "1") != "0"
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`tensor` (on the host) on `device`: through pinned memory, without blocking, for a CUDA
     device; as `tensor.to(device)` otherwise."""
     device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
+    if not PINNED_COPIES or device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
