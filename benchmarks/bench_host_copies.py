@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from fastgrpo.transfer import to_device
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fastgrpo.transfer import to_device  # noqa: E402
 
 SIZES = (1_000, 30_000, 300_000)  # int64 elements: 8 KB, 240 KB, 2.4 MB
 
