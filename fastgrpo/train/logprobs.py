@@ -138,8 +138,13 @@ class PackedRows:
     position_bound: int
 
 
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) int64: rows with the same real prompt tokens get the same number."""
+def prompt_groups(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool | None = None
+) -> torch.Tensor:
+    """(B,) int64: rows with the same real prompt tokens get the same number, the rows that
+    share a packed prompt; without `share` (default SHARE_PROMPTS), each row its own."""
+    if not (SHARE_PROMPTS if share is None else share):
+        return torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
     real = prompt_ids.long().masked_fill(~prompt_mask.bool(), -1)  # (B, Tp)
     return torch.unique(real, dim=0, return_inverse=True)[1]
 
@@ -161,13 +166,9 @@ def pack_rows(
     they would be with copies. One device-to-host read (lengths and groups); the layout itself is
     built on the host and sent in one copy.
     """
-    share = SHARE_PROMPTS if share_prompts is None else share_prompts
     B, Tp = prompt_ids.shape
     width = Tp + completion_mask.shape[1]
-    if share:
-        group = prompt_groups(prompt_ids, prompt_mask)
-    else:
-        group = torch.arange(B, device=prompt_ids.device)
+    group = prompt_groups(prompt_ids, prompt_mask, share_prompts)
     host = torch.stack([group, prompt_mask.sum(-1).long(), completion_mask.sum(-1).long()])
     group, prompt_len, kept = host.cpu().numpy()  # numpy: the layout is ~40 small host ops
     live = np.flatnonzero(kept > 0)  # rows fed, ascending

@@ -108,9 +108,7 @@ class PhaseTimer:
         """{"time/<phase>": seconds}; on a GPU this waits for the phases' end markers."""
         if not self._cuda:
             return {key: self._cpu_times[key] for key in self._order}
-        finished = [span for span in self._spans if span[2] is not None]
-        if finished:
-            finished[-1][2].synchronize()
+        if any(span[2] is not None for span in self._spans):
             torch.cuda.synchronize(self.device)  # every marker, whatever its stream
         seconds = [
             span[1].elapsed_time(span[2]) / 1e3 if span[2] is not None else 0.0

@@ -23,7 +23,6 @@ from fastgrpo.kernels.lm_head_grpo_loss import (
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 from fastgrpo.models.transformer import Transformer
 from fastgrpo.rollout import Rollout
-from fastgrpo.train import logprobs as logprobs_module
 from fastgrpo.train.batching import plan_micro_batches
 from fastgrpo.train.logprobs import (
     completion_logprobs,
@@ -240,7 +239,7 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
                 if norm is not None:
                     grad_norms.append(norm)
     names = list(totals)
-    norms = [n.float().to(weight_sum.device) for n in grad_norms]
+    norms = [n.float() for n in grad_norms]  # on the device, as the sums
     values = torch.stack([totals[n] for n in names] + [weight_sum, loss_sum] + norms).tolist()
     k = len(names)  # one sync above for every metric
     sums, (weight_sum, loss_sum), norms = values[:k], values[k : k + 2], values[k + 2 :]
@@ -311,11 +310,7 @@ def _micro_batches(
     if index.numel() == 0:
         return []
     chosen = sub.rows(index)
-    groups = None
-    if packed:
-        groups = prompt_groups(chosen.prompt_ids, chosen.prompt_mask)
-        if not logprobs_module.SHARE_PROMPTS:
-            groups = torch.arange(len(groups))
+    groups = prompt_groups(chosen.prompt_ids, chosen.prompt_mask) if packed else None
     plan = plan_micro_batches(
         chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget, groups
     )
