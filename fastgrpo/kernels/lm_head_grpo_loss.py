@@ -28,6 +28,7 @@ from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
 from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.kernels.lm_head_stats import (
+    LOG2E,
     _interpreting,
     aligned_empty,
     lm_head_stats_triton,
@@ -141,9 +142,10 @@ if triton is not None:
         lse_ptr,
         ent_ptr,
         g_ptr,
-        ge_ptr,  # z: (C, V) base-2 logits log2(e) * z / T (bf16), overwritten in place
+        ge_ptr,  # z: (C, V) raw logits h.w (bf16), overwritten in place
         limit_ptr,  # () int32: rows at and past this one are left as they are (no GEMM reads them)
         V,
+        scale2,  # log2(e) / T
         inv_temp,
         BLOCK_V: tl.constexpr,
     ):
@@ -164,8 +166,8 @@ if triton is not None:
             lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
             ent = tl.load(ent_ptr + row)
             target = tl.load(tgt_ptr + row).to(tl.int64)
-            z2 = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
-            log2_p = z2 - lse2
+            z = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
+            log2_p = z * scale2 - lse2
             p = tl.exp2(log2_p)
             dz = g * (tl.where(cols == target, 1.0, 0.0) - p)
             dz -= ge * p * (log2_p * 0.6931471805599453 + ent)
@@ -179,7 +181,18 @@ def _dlogits_(z, targets, lse, entropy, g, ge, temperature, limit):
     block = 256 if _interpreting() else 4096
     if rows:
         _dlogits_kernel[(rows, triton.cdiv(V, block))](
-            z, z.stride(0), targets, lse, entropy, g, ge, limit, V, 1.0 / temperature, BLOCK_V=block
+            z,
+            z.stride(0),
+            targets,
+            lse,
+            entropy,
+            g,
+            ge,
+            limit,
+            V,
+            LOG2E / temperature,
+            1.0 / temperature,
+            BLOCK_V=block,
         )
 
 

@@ -2,9 +2,11 @@
 
 What: for rows of `hidden` (N, H) against `weight` (V, H) at a temperature, one Triton kernel tiles
 the logits GEMM and, in its epilogue, folds each fp32 tile into running per-row statistics: max,
-sum of exponentials, the target's logit and the sum of p*z (for entropy). The vocabulary is split
-across programs so that small N still fills the GPU; `combine_stats` merges the splits. The result
-is the fp32 log-prob of each target and, optionally, each row's entropy.
+sum of exponentials and the sum of p*z (for entropy). The vocabulary is split across programs so
+that small N still fills the GPU; `combine_stats` merges the splits. A small second kernel takes
+each target's logit as one dot product of the row with its target's weight row (cheaper than a
+compare in every tile of the epilogue). The result is the fp32 log-prob of each target and,
+optionally, each row's entropy.
 
 Why: scoring (reference and old log-probs, evaluation) needs only these O(N) numbers. Computing
 them from the fp32 accumulator keeps the log-prob accurate to ~1e-6 even with bf16 inputs, costs
@@ -43,18 +45,19 @@ def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
     return logp, entropy, lse
 
 
-def combine_stats(m, s, t, pz):
-    """Merge per-split base-2 statistics (S, N) into (logp, entropy, lse), each (N,) fp32.
+def combine_stats(m, s, pz, t):
+    """Merge per-split base-2 statistics m, s, pz (S, N) and the target's t (N,) into (logp,
+    entropy, lse), each (N,) fp32.
 
     The kernel keeps its statistics in base 2 (z2 = log2(e) * logits / T, so each tile needs one
-    exp2 and no extra multiply): m the running max of z2, s the sum of 2^(z2 - m), t the target's
-    z2, pz the sum of 2^(z2 - m) * z2.
+    exp2 and no extra multiply): m the running max of z2, s the sum of 2^(z2 - m), pz the sum of
+    2^(z2 - m) * z2; t is the target's z2.
     """
     top = m.max(0).values  # (N,)
     scale = torch.exp2(m - top)  # (S, N)
     total = (s * scale).sum(0)
     lse2 = top + torch.log2(total)
-    logp = (t.sum(0) - lse2) * LN2
+    logp = (t - lse2) * LN2
     entropy = (lse2 - (pz * scale).sum(0) / total) * LN2
     return logp, entropy, lse2 * LN2
 
@@ -84,49 +87,73 @@ if triton is not None:
         acc,
         z_desc,
         row0,
-        targets,
         tile,
         V,
         scale2,
         running_max,
         running_sum,
         running_pz,
-        target_logit,
         BLOCK_N: tl.constexpr,
         EVEN_V: tl.constexpr,
         STORE_LOGITS: tl.constexpr,
         WITH_ENTROPY: tl.constexpr,
     ):
-        """Fold one fp32 logits tile into the running base-2 statistics (and store it)."""
-        n_range = tl.arange(0, BLOCK_N)
-        cols = tile.to(tl.int64) * BLOCK_N + n_range
-        col_ok = cols < V
-        z2 = acc * scale2  # (BM, BN) base-2 logits at the temperature
-        if STORE_LOGITS:  # for the gradient pass (TMA store, clipped at N and V); stats stay fp32
-            z_desc.store([row0, tile * BLOCK_N], z2.to(z_desc.dtype))
+        """Fold one fp32 logits tile into the running base-2 statistics (and store it).
+
+        Per element: a max, one fused multiply-add into exp2 and an add (plus a multiply-add for
+        the entropy): the max is taken on the raw accumulator (scale2 > 0 commutes with it), and
+        the target's logit comes from its own kernel, not from a compare in every tile.
+        """
+        if STORE_LOGITS:  # raw h.w for the gradient pass (TMA store, clipped at N and V)
+            z_desc.store([row0, tile * BLOCK_N], acc.to(z_desc.dtype))
         if not EVEN_V:  # a large finite floor: 2^(floor - max) is 0 and 0 * floor is 0
-            z2 = tl.where(col_ok[None, :], z2, -1.0e30)
-        new_max = tl.maximum(running_max, tl.max(z2, 1))
-        p = tl.exp2(z2 - new_max[:, None])
+            cols = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.where((cols < V)[None, :], acc, -1.0e30 / scale2)
+        new_max = tl.maximum(running_max, tl.max(acc, 1) * scale2)
+        p = tl.exp2(acc * scale2 - new_max[:, None])
         alpha = tl.exp2(running_max - new_max)
         running_sum = running_sum * alpha + tl.sum(p, 1)
         if WITH_ENTROPY:
-            running_pz = running_pz * alpha + tl.sum(p * z2, 1)
-        local = (targets - tile.to(tl.int64) * BLOCK_N).to(tl.int32)  # in-tile target column
-        hit = n_range[None, :] == local[:, None]
-        target_logit += tl.sum(tl.where(hit, z2, 0.0), 1)
-        return new_max, running_sum, running_pz, target_logit
+            running_pz = running_pz * alpha + tl.sum(p * (acc * scale2), 1)
+        return new_max, running_sum, running_pz
+
+    @triton.jit
+    def _target_logit_kernel(
+        h_ptr,
+        stride_h,
+        w_ptr,
+        stride_w,
+        tgt_ptr,
+        out_ptr,  # (N,) fp32: scale2 * hidden[r] . weight[targets[r]]
+        N,
+        H,
+        V,
+        scale2,
+        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """The base-2 logit of each row's target: one gathered weight row per row, fp32 sums."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < N
+        targets = tl.load(tgt_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        ok = row_ok & (targets >= 0) & (targets < V)
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            both = ok[:, None] & (cols < H)[None, :]
+            h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=both, other=0.0)
+            w = tl.load(w_ptr + targets[:, None] * stride_w + cols[None, :], mask=both, other=0.0)
+            acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), 1)
+        tl.store(out_ptr + rows, acc * scale2, mask=row_ok)
 
     @triton.jit
     def _lm_head_stats_kernel(
         h_desc,
         w_desc,  # tensor descriptors of hidden (N, H) and weight (V, H), blocks (BM, BK), (BN, BK)
-        tgt_ptr,  # (N,)
         m_ptr,
         s_ptr,
-        t_ptr,
         pz_ptr,  # each (S, N) fp32
-        z_desc,  # (N, V) base-2 logits log2(e) * z / T (bf16 on GPUs), written when STORE_LOGITS
+        z_desc,  # (N, V) raw logits h.w (bf16 on GPUs), written when STORE_LOGITS
         N,
         V,
         H,
@@ -145,12 +172,10 @@ if triton is not None:
         split = tl.program_id(1)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
-        targets = tl.load(tgt_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
         n_tiles = tl.cdiv(V, BLOCK_N)
         k_tiles = tl.cdiv(H, BLOCK_K)
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
-        target_logit = tl.zeros([BLOCK_M], tl.float32)
         running_pz = tl.zeros([BLOCK_M], tl.float32)
         row0 = pid_m * BLOCK_M
         # tiles split, split + S, ...; the last may lie past V (then skipped)
@@ -162,18 +187,16 @@ if triton is not None:
                     h_desc, w_desc, row0, tile, ki, acc, BLOCK_N, BLOCK_K, DOT_PRECISION
                 )
             if tile < n_tiles:
-                running_max, running_sum, running_pz, target_logit = _fold_tile(
+                running_max, running_sum, running_pz = _fold_tile(
                     acc,
                     z_desc,
                     row0,
-                    targets,
                     tile,
                     V,
                     scale2,
                     running_max,
                     running_sum,
                     running_pz,
-                    target_logit,
                     BLOCK_N,
                     EVEN_V,
                     STORE_LOGITS,
@@ -182,7 +205,6 @@ if triton is not None:
         out = split.to(tl.int64) * N + rows
         tl.store(m_ptr + out, running_max, mask=row_ok)
         tl.store(s_ptr + out, running_sum, mask=row_ok)
-        tl.store(t_ptr + out, target_logit, mask=row_ok)
         tl.store(pz_ptr + out, running_pz, mask=row_ok)
 
 
@@ -249,8 +271,8 @@ def lm_head_stats_triton(
 ):
     """(logp, entropy | None, lse), each (N,) fp32, with the Triton kernel. No autograd.
 
-    `logits_out` (N, V) (bf16 on GPUs), when given, receives the base-2 logits at the temperature,
-    log2(e) * z / T (what the gradient kernel reads). Without `with_entropy` the epilogue skips the
+    `logits_out` (N, V) (bf16 on GPUs), when given, receives the raw logits hidden @ weight^T
+    (before the temperature; what the gradient kernel reads). Without `with_entropy` the epilogue skips the
     entropy sum and None is returned in its place.
     """
     if triton is None:
@@ -273,7 +295,8 @@ def lm_head_stats_triton(
     hidden, weight = _tma_ready(hidden), _tma_ready(weight)
     block_m, block_n, block_k, warps, stages, *extra = _blocks(H, hidden.element_size())
     splits = _num_splits(V, block_n)
-    stats = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
+    stats = torch.empty(3, splits, N, dtype=torch.float32, device=hidden.device)
+    target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
     store = logits_out is not None
     if store and (
         logits_out.shape != (N, V)
@@ -285,22 +308,36 @@ def lm_head_stats_triton(
             f"logits_out must be a row-major ({N}, {V}) tensor with 16-byte aligned rows "
             "(a view of a buffer whose row length is a multiple of 8)"
         )
+    scale2 = LOG2E / temperature
     if N > 0:
+        rows_per_program = 16
+        _target_logit_kernel[(triton.cdiv(N, rows_per_program),)](
+            hidden,
+            hidden.stride(0),
+            weight,
+            weight.stride(0),
+            targets,
+            target_logit,
+            N,
+            H,
+            V,
+            scale2,
+            BLOCK_R=rows_per_program,
+            BLOCK_H=min(256, triton.next_power_of_2(H)),
+        )
         grid = (triton.cdiv(N, block_m), splits)
         options = {"maxnreg": extra[0]} if extra and extra[0] else {}
         _lm_head_stats_kernel[grid](
             TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            targets,
             stats[0],
             stats[1],
             stats[2],
-            stats[3],
             TensorDescriptor.from_tensor(logits_out if store else hidden, [block_m, block_n]),
             N,
             V,
             hidden.shape[1],
-            LOG2E / temperature,
+            scale2,
             splits,
             triton.cdiv(triton.cdiv(V, block_n), splits),
             BLOCK_M=block_m,
@@ -314,5 +351,5 @@ def lm_head_stats_triton(
             num_stages=stages,
             **options,
         )
-    logp, entropy, lse = combine_stats(*stats)
+    logp, entropy, lse = combine_stats(*stats, target_logit)
     return logp, entropy if with_entropy else None, lse
