@@ -31,9 +31,12 @@ def main():
     hidden = torch.randn(n, h, device="cuda").bfloat16()
     weight = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16()
     targets = torch.randint(0, v, (n,), device="cuda")
-    logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16) if args.store else None
+    probs = ops.aligned_empty(n, v, device="cuda", dtype=torch.bfloat16) if args.store else None
     for _ in range(args.calls):
-        ops.lm_head_stats_triton(hidden, weight, targets, logits_out=logits)
+        if args.store:  # the training path: also stores the relative probabilities
+            ops.ChunkStats(hidden, weight, targets, 1.0, probs)
+        else:
+            ops.lm_head_stats_triton(hidden, weight, targets)
     torch.cuda.synchronize()
 
 

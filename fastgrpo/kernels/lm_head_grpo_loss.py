@@ -28,7 +28,7 @@ from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
 from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.kernels.lm_head_stats import (
-    LOG2E,
+    ChunkStats,
     _interpreting,
     aligned_empty,
     lm_head_stats_triton,
@@ -135,21 +135,83 @@ def lm_head_grpo_loss_ref(
 if triton is not None:
 
     @triton.jit
-    def _dlogits_kernel(
-        z_ptr,
-        stride_zn,
+    def _reference_kernel(
+        logp_ptr,
+        lse_ptr,
+        t2_ptr,
+        ref_ptr,  # out (C,): the base-2 reference of each row's stored probabilities
+        flags_ptr,  # out (row blocks,) int32: 1 where a row of the block needs rescaling
+        C,
+        safe_log2_ratio,
+        BLOCK_M: tl.constexpr,
+    ):
+        """The target's logit as the reference, or the log-sum-exp where the target is so
+        unlikely (p below 2^-safe) that p / p_target could overflow."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = rows < C
+        logp = tl.load(logp_ptr + rows, mask=ok, other=0.0)
+        lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * 1.4426950408889634
+        t2 = tl.load(t2_ptr + rows, mask=ok, other=0.0)
+        unsafe = ok & (-logp * 1.4426950408889634 > safe_log2_ratio)
+        tl.store(ref_ptr + rows, tl.where(unsafe, lse2, t2), mask=ok)
+        tl.store(flags_ptr + tl.program_id(0), tl.max(unsafe.to(tl.int32), 0))
+
+    @triton.jit
+    def _scale_rows_kernel(
+        probs_ptr,
+        stride_p,  # (C, V) e = 2^(z2 - ref) per element; the target's entry is rewritten
+        h_ptr,
+        stride_h,
+        hs_ptr,
+        stride_hs,  # out (C, H): s * hidden row
+        s_ptr,  # out (C,) fp32
         tgt_ptr,
         lse_ptr,
+        t2_ptr,
+        ref_ptr,
+        g_ptr,
+        H,
+        V,
+        inv_temp,
+        BLOCK_H: tl.constexpr,
+    ):
+        """d(loss)/d(logits) of row r is s * e' with s = -(g / T) * 2^(ref - lse2) and e' the
+        stored row with its target entry set to 2^(t2 - ref) - 2^(lse2 - ref), since
+        dz = (g / T) * (onehot - p) and p = e * 2^(ref - lse2). So dH = s * (e' @ W) and
+        dW = e'^T @ (s * hidden): plain GEMMs, no pass over the (C, V) values."""
+        row = tl.program_id(0).to(tl.int64)
+        lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+        ref = tl.load(ref_ptr + row)
+        s = -tl.load(g_ptr + row) * inv_temp * tl.exp2(ref - lse2)
+        tl.store(s_ptr + row, s)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            h = tl.load(h_ptr + row * stride_h + cols, mask=cols < H, other=0.0).to(tl.float32)
+            tl.store(
+                hs_ptr + row * stride_hs + cols, (s * h).to(hs_ptr.dtype.element_ty), mask=cols < H
+            )
+        target = tl.load(tgt_ptr + row).to(tl.int64)
+        if (target >= 0) & (target < V):
+            entry = tl.exp2(tl.load(t2_ptr + row) - ref) - tl.exp2(lse2 - ref)
+            tl.store(probs_ptr + row * stride_p + target, entry.to(probs_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _dz_from_probs_kernel(
+        z_ptr,
+        stride_zn,  # (C, V) e = 2^(z2 - ref) in, d(loss)/d(logits) out, in place
+        tgt_ptr,
+        lse_ptr,
+        ref_ptr,
         ent_ptr,
         g_ptr,
-        ge_ptr,  # z: (C, V) raw logits h.w (bf16), overwritten in place
+        ge_ptr,
         limit_ptr,  # () int32: rows at and past this one are left as they are (no GEMM reads them)
         V,
-        scale2,  # log2(e) / T
         inv_temp,
         BLOCK_V: tl.constexpr,
     ):
-        """dz = (g * (onehot - p) - ge * p * (log p + H)) / T for one row and one vocabulary block.
+        """dz = (g * (onehot - p) - ge * p * (ln p + H)) / T for one row and one vocabulary block:
+        the entropy bonus's gradient needs ln p per element, so it cannot be a per-row scale.
 
         A row with g = ge = 0 (zero advantage, masked, clipped) only writes zeros: no reads.
         """
@@ -163,12 +225,13 @@ if triton is not None:
         if (g == 0.0) & (ge == 0.0):
             dz = tl.zeros([BLOCK_V], tl.float32)
         else:
-            lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+            shift = tl.load(ref_ptr + row) - tl.load(lse_ptr + row) * 1.4426950408889634
             ent = tl.load(ent_ptr + row)
             target = tl.load(tgt_ptr + row).to(tl.int64)
-            z = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
-            log2_p = z * scale2 - lse2
-            p = tl.exp2(log2_p)
+            e = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
+            p = e * tl.exp2(shift)
+            # below 1e-30, p * ln p is below 1e-28: the floor only keeps log2(0) out
+            log2_p = tl.log2(tl.maximum(e, 1.0e-30)) + shift
             dz = g * (tl.where(cols == target, 1.0, 0.0) - p)
             dz -= ge * p * (log2_p * 0.6931471805599453 + ent)
         tl.store(
@@ -176,21 +239,70 @@ if triton is not None:
         )
 
 
-def _dlogits_(z, targets, lse, entropy, g, ge, temperature, limit):
-    rows, V = z.shape
+def _references(chunk):
+    """(ref (C,), flags (row blocks,)) from `_reference_kernel` for a `ChunkStats`."""
+    rows = chunk.logp.shape[0]
+    ref = torch.empty_like(chunk.logp)
+    flags = torch.empty(
+        triton.cdiv(rows, chunk.block_m), dtype=torch.int32, device=chunk.logp.device
+    )
+    if rows:
+        _reference_kernel[(flags.shape[0],)](
+            chunk.logp,
+            chunk.lse,
+            chunk.target2,
+            ref,
+            flags,
+            rows,
+            chunk.SAFE_LOG2_RATIO,
+            BLOCK_M=chunk.block_m,
+        )
+    return ref, flags
+
+
+def _scale_rows(chunk, targets, ref, g, temperature, hidden, dtype):
+    """(s (C,), s * hidden (C, H) in `dtype`) from `_scale_rows_kernel`, which also rewrites the
+    target entries of `chunk.probs`."""
+    rows, H = hidden.shape
+    scale = torch.empty_like(g)
+    scaled = torch.empty(rows, H, dtype=dtype, device=hidden.device)
+    if rows:
+        _scale_rows_kernel[(rows,)](
+            chunk.probs,
+            chunk.probs.stride(0),
+            hidden,
+            hidden.stride(0),
+            scaled,
+            scaled.stride(0),
+            scale,
+            targets,
+            chunk.lse,
+            chunk.target2,
+            ref,
+            g,
+            H,
+            chunk.probs.shape[1],
+            1.0 / temperature,
+            BLOCK_H=min(1024, triton.next_power_of_2(H)),
+        )
+    return scale, scaled
+
+
+def _dz_from_probs_(chunk, targets, ref, g, ge, temperature, limit):
+    rows, V = chunk.probs.shape
     block = 256 if _interpreting() else 4096
     if rows:
-        _dlogits_kernel[(rows, triton.cdiv(V, block))](
-            z,
-            z.stride(0),
+        _dz_from_probs_kernel[(rows, triton.cdiv(V, block))](
+            chunk.probs,
+            chunk.probs.stride(0),
             targets,
-            lse,
-            entropy,
+            chunk.lse,
+            ref,
+            chunk.entropy,
             g,
             ge,
             limit,
             V,
-            LOG2E / temperature,
             1.0 / temperature,
             BLOCK_V=block,
         )
@@ -206,15 +318,17 @@ def _add_matmul_f32_(out, a, b):
         return out.add_(torch.mm(a.float(), b.float()))
 
 
-def _loss_and_grads(loss_fn, logp, entropy):
-    """loss_fn(logp, entropy) and its derivatives with respect to both (zeros where unused)."""
+def _loss_and_grads(loss_fn, logp, entropy, fill_unused=True):
+    """loss_fn(logp, entropy) and its derivatives with respect to both (zeros where unused, or
+    None for an unused entropy without `fill_unused`)."""
     with torch.enable_grad():
         logp_leaf = logp.detach().requires_grad_()
         entropy_leaf = entropy.detach().requires_grad_()
         loss = loss_fn(logp_leaf, entropy_leaf)
         g, ge = torch.autograd.grad(loss, (logp_leaf, entropy_leaf), allow_unused=True)
     g = torch.zeros_like(logp) if g is None else g
-    ge = torch.zeros_like(logp) if ge is None else ge
+    if ge is None:
+        return loss.detach(), g.contiguous(), torch.zeros_like(logp) if fill_unused else None
     return loss.detach(), g.contiguous(), ge.contiguous()
 
 
@@ -230,7 +344,16 @@ class _FusedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets, temperature, chunk_rows, chunk_loss, whole_loss, active_rows
+        ctx,
+        hidden,
+        weight,
+        targets,
+        temperature,
+        chunk_rows,
+        chunk_loss,
+        whole_loss,
+        active_rows,
+        entropy_grad,
     ):
         N, H = hidden.shape
         V = weight.shape[0]
@@ -256,45 +379,57 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                     hidden[start:end], weight, targets[start:end], temperature
                 )
                 logp[start:end], entropy[start:end], lse[start:end] = stats
-            loss, g_all, ge_all = _loss_and_grads(whole_loss, logp, entropy)
+            loss, g_all, ge_all = _loss_and_grads(whole_loss, logp, entropy, fill_unused=False)
+            entropy_grad = ge_all is not None
         else:
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         # bf16 logits for bf16 models; fp32 for fp32 models and under the interpreter (no bf16)
         buffer_dtype = (
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
-        # rows on 16 bytes: the statistics kernel stores the logits by TMA
-        logits = aligned_empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
-        z = None
+        # rows on 16 bytes: the statistics kernel stores the probabilities by TMA
+        buffer = aligned_empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
         for start, end in chunks:
-            z = logits[: end - start]
-            lp, ent, chunk_lse = lm_head_stats_triton(
-                hidden[start:end], weight, targets[start:end], temperature, logits_out=z
+            chunk = ChunkStats(
+                hidden[start:end], weight, targets[start:end], temperature, buffer[: end - start]
             )
             if whole_loss is None:
-                logp[start:end], entropy[start:end] = lp, ent
-                part, g, ge = chunk_loss(start, end, lp, ent)
+                logp[start:end], entropy[start:end] = chunk.logp, chunk.entropy
+                part, g, ge = chunk_loss(start, end, chunk.logp, chunk.entropy)
                 loss += part
             else:  # the recomputed statistics are bitwise those of the first pass
-                g, ge = g_all[start:end], ge_all[start:end]
+                g = g_all[start:end]
+                ge = None if ge_all is None else ge_all[start:end]
             rows = end - start
             if triton_gemms:  # only the leading rows that can carry a gradient get GEMM work
                 n = (active_rows - start).clamp(0, rows).to(torch.int32)
                 limit = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK  # dz zeros to a block edge
             else:
                 n = limit = torch.full((), rows, dtype=torch.int32, device=hidden.device)
-            _dlogits_(z, targets[start:end], chunk_lse, ent, g, ge, temperature, limit)
-            if need_dh and triton_gemms:
-                d_hidden[start:end] = backward_gemms.dh(z, weight.to(buffer_dtype), n)
-            elif need_dh:
-                d_hidden[start:end] = torch.mm(z, weight.to(buffer_dtype)).to(hidden.dtype)
+            ref, flags = _references(chunk)
+            chunk.rescale_rows_(ref, flags)  # rows with a very unlikely target, if any
+            if entropy_grad:  # dz in place: the GEMMs read it unscaled
+                _dz_from_probs_(chunk, targets[start:end], ref, g, ge, temperature, limit)
+                scale, h_rows = None, hidden[start:end].to(buffer_dtype)
+            else:  # dz = scale * probs (target entries rewritten): no pass over the buffer
+                scale, h_rows = _scale_rows(
+                    chunk, targets[start:end], ref, g, temperature, hidden[start:end], buffer_dtype
+                )
+            z = chunk.probs
+            if need_dh:
+                if triton_gemms:
+                    dh = backward_gemms.dh(z, weight.to(buffer_dtype), n)
+                else:
+                    dh = torch.mm(z, weight.to(buffer_dtype)).float()
+                d_hidden[start:end] = dh if scale is None else dh * scale[:, None]
             if need_dw and triton_gemms:
-                backward_gemms.add_dw_(d_weight, z, hidden[start:end].to(buffer_dtype), n)
+                backward_gemms.add_dw_(d_weight, z, h_rows, n)
             elif need_dw and dw_fp32:
-                _add_matmul_f32_(d_weight, z.t(), hidden[start:end].to(buffer_dtype))
+                _add_matmul_f32_(d_weight, z.t(), h_rows)
             elif need_dw:  # fp32 accumulation inside the GEMM, one rounding to the weight's dtype
-                d_weight.addmm_(z.t(), hidden[start:end].to(buffer_dtype))
-        del logits, z  # free the chunk buffer before the bf16 copy of dW: this sets the peak
+                d_weight.addmm_(z.t(), h_rows)
+            del chunk, z
+        del buffer  # free the chunk buffer before the bf16 copy of dW: this sets the peak
         # Kept on ctx, not saved for backward: backward scales them in place and hands them over,
         # so no second [V, H] copy is made (the gradient is the only dW buffer left).
         ctx.grads = (d_hidden, None if d_weight is None else d_weight.to(weight.dtype))
@@ -314,7 +449,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             d_hidden.mul_(grad_loss.to(d_hidden.dtype))
         if d_weight is not None:
             d_weight.mul_(grad_loss.to(d_weight.dtype))
-        return d_hidden, d_weight, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -374,6 +509,7 @@ def fused_token_loss(
         chunk_loss,
         None,
         active_rows,
+        settings.get("entropy_coef", 0.0) != 0.0,
     )
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -421,7 +557,15 @@ def lm_head_policy_loss(
         logp, entropy = lm_head_logprob_ref(hidden, weight, targets, temperature, with_entropy=True)
         return loss_fn(logp, entropy), logp.detach(), entropy.detach()
     return _fused_apply(
-        hidden, weight, targets, temperature, _chunk_rows(weight, chunk_bytes), None, loss_fn, None
+        hidden,
+        weight,
+        targets,
+        temperature,
+        _chunk_rows(weight, chunk_bytes),
+        None,
+        loss_fn,
+        None,
+        True,  # replaced by whether loss_fn uses the entropy
     )
 
 

@@ -90,27 +90,31 @@ if triton is not None:
         tile,
         V,
         scale2,
+        reference,
         running_max,
         running_sum,
         running_pz,
         BLOCK_N: tl.constexpr,
         EVEN_V: tl.constexpr,
-        STORE_LOGITS: tl.constexpr,
+        STORE_PROBS: tl.constexpr,
         WITH_ENTROPY: tl.constexpr,
     ):
         """Fold one fp32 logits tile into the running base-2 statistics (and store it).
 
         Per element: a max, one fused multiply-add into exp2 and an add (plus a multiply-add for
         the entropy): the max is taken on the raw accumulator (scale2 > 0 commutes with it), and
-        the target's logit comes from its own kernel, not from a compare in every tile.
+        the target's logit comes from its own kernel, not from a compare in every tile. The store
+        (for the gradient pass) is 2^(z2 - reference) per element, the tile's exponentials times
+        one factor per row.
         """
-        if STORE_LOGITS:  # raw h.w for the gradient pass (TMA store, clipped at N and V)
-            z_desc.store([row0, tile * BLOCK_N], acc.to(z_desc.dtype))
         if not EVEN_V:  # a large finite floor: 2^(floor - max) is 0 and 0 * floor is 0
             cols = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = tl.where((cols < V)[None, :], acc, -1.0e30 / scale2)
         new_max = tl.maximum(running_max, tl.max(acc, 1) * scale2)
         p = tl.exp2(acc * scale2 - new_max[:, None])
+        if STORE_PROBS:  # TMA store, clipped at N and V
+            factor = tl.exp2(new_max - reference)
+            z_desc.store([row0, tile * BLOCK_N], (p * factor[:, None]).to(z_desc.dtype))
         alpha = tl.exp2(running_max - new_max)
         running_sum = running_sum * alpha + tl.sum(p, 1)
         if WITH_ENTROPY:
@@ -153,7 +157,9 @@ if triton is not None:
         m_ptr,
         s_ptr,
         pz_ptr,  # each (S, N) fp32
-        z_desc,  # (N, V) raw logits h.w (bf16 on GPUs), written when STORE_LOGITS
+        z_desc,  # (N, V) 2^(z2 - reference) (bf16 on GPUs), written when STORE_PROBS
+        ref_ptr,  # (N,) fp32 base-2 reference per row, read when STORE_PROBS
+        flags_ptr,  # (row blocks,) int32, read when ONLY_FLAGGED: blocks at 0 do nothing
         N,
         V,
         H,
@@ -164,14 +170,21 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_V: tl.constexpr,  # V % BLOCK_N == 0: no partially filled vocabulary tile
-        STORE_LOGITS: tl.constexpr,
+        STORE_PROBS: tl.constexpr,
+        ONLY_FLAGGED: tl.constexpr,
         WITH_ENTROPY: tl.constexpr,
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
     ):
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
+        if ONLY_FLAGGED:
+            if tl.load(flags_ptr + pid_m) == 0:
+                return
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
+        reference = tl.zeros([BLOCK_M], tl.float32)
+        if STORE_PROBS:
+            reference = tl.load(ref_ptr + rows, mask=row_ok, other=0.0)
         n_tiles = tl.cdiv(V, BLOCK_N)
         k_tiles = tl.cdiv(H, BLOCK_K)
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -194,12 +207,13 @@ if triton is not None:
                     tile,
                     V,
                     scale2,
+                    reference,
                     running_max,
                     running_sum,
                     running_pz,
                     BLOCK_N,
                     EVEN_V,
-                    STORE_LOGITS,
+                    STORE_PROBS,
                     WITH_ENTROPY,
                 )
         out = split.to(tl.int64) * N + rows
@@ -266,19 +280,11 @@ def _num_splits(V: int, block_n: int) -> int:
     return max(1, min(max(1, sms // 4), n_tiles // 16, n_tiles))
 
 
-def lm_head_stats_triton(
-    hidden, weight, targets, temperature: float = 1.0, logits_out=None, with_entropy: bool = True
-):
-    """(logp, entropy | None, lse), each (N,) fp32, with the Triton kernel. No autograd.
-
-    `logits_out` (N, V) (bf16 on GPUs), when given, receives the raw logits hidden @ weight^T
-    (before the temperature; what the gradient kernel reads). Without `with_entropy` the epilogue skips the
-    entropy sum and None is returned in its place.
-    """
+def _prepare(hidden, weight, targets):
+    """Checked, TMA-ready (hidden, weight) for the kernels."""
     if triton is None:
         raise RuntimeError("the Triton LM-head kernel needs `pip install triton`")
     N, H = hidden.shape
-    V = weight.shape[0]
     if weight.shape[1] != H or targets.shape != (N,):
         raise ValueError(
             f"hidden (N, H), weight (V, H), targets (N,) expected; got "
@@ -292,23 +298,13 @@ def lm_head_stats_triton(
         # The interpreter (numpy) has no bf16; fp32 copies are exact, and the GPU's bf16 dot
         # multiplies exactly and accumulates in fp32, so the function computed is the same.
         hidden, weight = hidden.float(), weight.float()
-    hidden, weight = _tma_ready(hidden), _tma_ready(weight)
-    block_m, block_n, block_k, warps, stages, *extra = _blocks(H, hidden.element_size())
-    splits = _num_splits(V, block_n)
-    stats = torch.empty(3, splits, N, dtype=torch.float32, device=hidden.device)
-    target_logit = torch.empty(N, dtype=torch.float32, device=hidden.device)
-    store = logits_out is not None
-    if store and (
-        logits_out.shape != (N, V)
-        or logits_out.stride(1) != 1
-        or (logits_out.stride(0) * logits_out.element_size()) % 16
-        or logits_out.data_ptr() % 16
-    ):
-        raise ValueError(
-            f"logits_out must be a row-major ({N}, {V}) tensor with 16-byte aligned rows "
-            "(a view of a buffer whose row length is a multiple of 8)"
-        )
-    scale2 = LOG2E / temperature
+    return _tma_ready(hidden), _tma_ready(weight)
+
+
+def _target_logits(hidden, weight, targets, scale2):
+    """(N,) fp32 base-2 logit of each row's target (0 where the target is outside [0, V))."""
+    N, H = hidden.shape
+    out = torch.empty(N, dtype=torch.float32, device=hidden.device)
     if N > 0:
         rows_per_program = 16
         _target_logit_kernel[(triton.cdiv(N, rows_per_program),)](
@@ -317,39 +313,126 @@ def lm_head_stats_triton(
             weight,
             weight.stride(0),
             targets,
-            target_logit,
+            out,
             N,
             H,
-            V,
+            weight.shape[0],
             scale2,
             BLOCK_R=rows_per_program,
             BLOCK_H=min(256, triton.next_power_of_2(H)),
         )
-        grid = (triton.cdiv(N, block_m), splits)
-        options = {"maxnreg": extra[0]} if extra and extra[0] else {}
-        _lm_head_stats_kernel[grid](
-            TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
-            TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            stats[0],
-            stats[1],
-            stats[2],
-            TensorDescriptor.from_tensor(logits_out if store else hidden, [block_m, block_n]),
-            N,
-            V,
-            hidden.shape[1],
-            scale2,
-            splits,
-            triton.cdiv(triton.cdiv(V, block_n), splits),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            EVEN_V=V % block_n == 0,
-            STORE_LOGITS=store,
-            WITH_ENTROPY=with_entropy,
-            DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-            num_warps=warps,
-            num_stages=stages,
-            **options,
+    return out
+
+
+def _new_stats(hidden, weight):
+    """An uninitialised (3, S, N) fp32 buffer for the per-split statistics m, s, pz."""
+    block_n = _blocks(hidden.shape[1], hidden.element_size())[1]
+    splits = _num_splits(weight.shape[0], block_n)
+    return torch.empty(3, splits, hidden.shape[0], dtype=torch.float32, device=hidden.device)
+
+
+def _launch_stats(
+    hidden, weight, scale2, stats, *, probs_out=None, reference=None, flags=None, entropy=True
+):
+    """The statistics kernel over prepared (hidden, weight) into `stats` (3, S, N)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    block_m, block_n, block_k, warps, stages, *extra = _blocks(H, hidden.element_size())
+    store = probs_out is not None
+    if store and (
+        probs_out.shape != (N, V)
+        or probs_out.stride(1) != 1
+        or (probs_out.stride(0) * probs_out.element_size()) % 16
+        or probs_out.data_ptr() % 16
+    ):
+        raise ValueError(
+            f"probs_out must be a row-major ({N}, {V}) tensor with 16-byte aligned rows "
+            "(a view of a buffer whose row length is a multiple of 8)"
         )
-    logp, entropy, lse = combine_stats(*stats, target_logit)
+    if N == 0:
+        return
+    options = {"maxnreg": extra[0]} if extra and extra[0] else {}
+    _lm_head_stats_kernel[(triton.cdiv(N, block_m), stats.shape[1])](
+        TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
+        TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        stats[0],
+        stats[1],
+        stats[2],
+        TensorDescriptor.from_tensor(probs_out if store else hidden, [block_m, block_n]),
+        reference if store else stats,
+        flags if flags is not None else stats,
+        N,
+        V,
+        H,
+        scale2,
+        stats.shape[1],
+        triton.cdiv(triton.cdiv(V, block_n), stats.shape[1]),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_V=V % block_n == 0,
+        STORE_PROBS=store,
+        ONLY_FLAGGED=flags is not None,
+        WITH_ENTROPY=entropy,
+        DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+        **options,
+    )
+
+
+def lm_head_stats_triton(
+    hidden, weight, targets, temperature: float = 1.0, with_entropy: bool = True
+):
+    """(logp, entropy | None, lse), each (N,) fp32, with the Triton kernel. No autograd.
+
+    Without `with_entropy` the epilogue skips the entropy sum and None is returned in its place.
+    """
+    hidden, weight = _prepare(hidden, weight, targets)
+    scale2 = LOG2E / temperature
+    stats = _new_stats(hidden, weight)
+    target = _target_logits(hidden, weight, targets, scale2)
+    _launch_stats(hidden, weight, scale2, stats, entropy=with_entropy)
+    logp, entropy, lse = combine_stats(*stats, target)
     return logp, entropy if with_entropy else None, lse
+
+
+class ChunkStats:
+    """Statistics of one chunk of rows for the gradient pass, and its relative probabilities.
+
+    `probs` (C, V) receives e = 2^(z2 - t2) = p / p_target per element (z2 the base-2 logits at
+    the temperature, t2 the target's): the statistics kernel writes it from the exponentials it
+    takes anyway, one multiply per element, and the gradient GEMMs read it as it is, scaled per
+    row (see `lm_head_grpo_loss`). A row whose target is very unlikely (p_target below 2^-60,
+    `SAFE_LOG2_RATIO`) could overflow that form, so `rescale_rows_` recomputes such rows against
+    the row's own log-sum-exp instead (e = p), on the device and only for the row blocks that
+    hold one.
+    """
+
+    SAFE_LOG2_RATIO = 60.0
+
+    def __init__(self, hidden, weight, targets, temperature, probs):
+        self.hidden, self.weight = _prepare(hidden, weight, targets)
+        self.scale2 = LOG2E / temperature
+        self.probs = probs
+        self.block_m = _blocks(self.hidden.shape[1], self.hidden.element_size())[0]
+        stats = _new_stats(self.hidden, self.weight)
+        self.target2 = _target_logits(self.hidden, self.weight, targets, self.scale2)
+        _launch_stats(
+            self.hidden, self.weight, self.scale2, stats, probs_out=probs, reference=self.target2
+        )
+        self.logp, self.entropy, self.lse = combine_stats(*stats, self.target2)
+        self._stats = stats
+
+    def rescale_rows_(self, reference, flags):
+        """Rewrite the flagged row blocks' probabilities against `reference` (N,) base-2."""
+        _launch_stats(
+            self.hidden,
+            self.weight,
+            self.scale2,
+            self._stats,
+            probs_out=self.probs,
+            reference=reference,
+            flags=flags,
+            entropy=False,
+        )

@@ -80,8 +80,19 @@ def test_fused_loss_with_torch_backward_gemms_matches_the_reference(monkeypatch,
     _check_fused_against_reference(settings, 4)
 
 
-def _check_fused_against_reference(settings, chunk_rows, h=32):
-    hidden, weight, targets, mask, advantages, noise = _batch(1, h=h)
+@pytest.mark.parametrize("settings", VARIANTS[:1] + VARIANTS[-1:], ids=variant_id)
+def test_fused_loss_with_very_unlikely_targets_matches_the_reference(settings):
+    """Rows whose target has p < 2^-60 are stored against their log-sum-exp instead of the
+    target's logit (the relative form p / p_target would overflow); only their row blocks are
+    recomputed, the other blocks keep the first pass's values."""
+    _check_fused_against_reference(settings, 128, t=12, unlikely_rows=3)
+
+
+def _check_fused_against_reference(settings, chunk_rows, h=32, t=5, unlikely_rows=0):
+    hidden, weight, targets, mask, advantages, noise = _batch(1, h=h, t=t)
+    if unlikely_rows:  # peaked rows whose target is their least likely token
+        hidden[:unlikely_rows] *= 25
+        targets[:unlikely_rows] = (hidden[:unlikely_rows] @ weight.t()).argmin(-1)
     t = mask.shape[1]
     weights = fused.token_weights(mask, settings["loss_type"], max_completion_length=t).reshape(-1)
     adv = advantages.repeat_interleave(t)
@@ -117,6 +128,9 @@ def _check_fused_against_reference(settings, chunk_rows, h=32):
         **settings,
     )
     want.backward()
+    if unlikely_rows:
+        assert (want_logp[:unlikely_rows] < -60 * 0.6931).all()  # the case under test happens
+        assert (want_logp[unlikely_rows:] > -60 * 0.6931).all()
     assert abs(loss.item() - want.item()) <= 1e-5 * max(abs(want.item()), 1e-3)
     assert (logp.cpu().double() - want_logp).abs().max() <= 1e-4
     assert (entropy.cpu().double() - want_entropy).abs().max() <= 1e-4
@@ -225,7 +239,7 @@ def test_two_pass_fused_path_matches_reference_for_sequence_level_gspo(chunk_row
     h = hidden[rows].to(DEVICE).clone().requires_grad_()
     w = weight.to(DEVICE).clone().requires_grad_()
     loss, logp, _ = fused._fused_apply(
-        h, w, targets[rows].to(DEVICE), 0.9, chunk_rows, None, gspo, None
+        h, w, targets[rows].to(DEVICE), 0.9, chunk_rows, None, gspo, None, True
     )
     loss.backward()
     h64, w64 = hidden[rows].double().requires_grad_(), weight.double().requires_grad_()
