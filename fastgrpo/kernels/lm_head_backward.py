@@ -102,6 +102,34 @@ if triton is not None:
         part_desc.store([split * C_pad + pid_m * BLOCK_R, pid_h * BLOCK_H], acc)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_ptr,  # (S * C_pad, H) fp32 partial sums, row stride stride_part
+        stride_part,
+        scale_ptr,  # (C,) fp32 row scale, read when SCALED
+        out_ptr,  # (C, H) any dtype, row stride stride_out
+        stride_out,
+        C,
+        C_pad,
+        H,
+        S,
+        SCALED: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """out[r] = scale[r] * sum over splits of part[:, r], the splits added in a fixed order."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for i in range(0, S):
+            acc += tl.load(part_ptr + (i * C_pad + row) * stride_part + cols, mask=ok, other=0.0)
+        if SCALED:
+            acc *= tl.load(scale_ptr + row)
+        tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _dw_blocks(H: int, itemsize: int = 2):
     """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages). Measured on the H100
     (benchmarks/tune_lm_head_backward.py, 2048-row chunks): 256x128 tiles at H=896 (1.09 ms, cuBLAS
@@ -157,8 +185,11 @@ def add_dw_(dw, dz, hidden, n_rows):
     return dw
 
 
-def dh(dz, weight, n_rows):
-    """dz[:n] @ weight as fp32 (C, H), zeros past n; dz (C, V), weight (V, H); n_rows () int32."""
+def dh(dz, weight, n_rows, row_scale=None, out=None):
+    """dz[:n] @ weight (C, H), zeros past n; dz (C, V), weight (V, H); n_rows () int32.
+
+    Each row is multiplied by `row_scale` (C,) when given; the result is written into `out` (C, H,
+    unit column stride, any dtype) when given, else returned in fp32."""
     C, V = dz.shape
     H = weight.shape[1]
     block_r, block_h, block_v, warps, stages = _dh_blocks(H, dz.element_size())
@@ -184,4 +215,21 @@ def dh(dz, weight, n_rows):
         num_warps=warps,
         num_stages=stages,
     )
-    return part.view(splits, c_pad, H)[:, :C].sum(0)
+    if out is None:
+        out = torch.empty(C, H, dtype=torch.float32, device=dz.device)
+    if C:
+        block = min(1024, triton.next_power_of_2(H))
+        _merge_splits_kernel[(C, triton.cdiv(H, block))](
+            part,
+            part.stride(0),
+            part if row_scale is None else row_scale,
+            out,
+            out.stride(0),
+            C,
+            c_pad,
+            H,
+            splits,
+            SCALED=row_scale is not None,
+            BLOCK_H=block,
+        )
+    return out

@@ -239,6 +239,42 @@ if triton is not None:
         )
 
 
+if triton is not None:
+
+    @triton.jit
+    def _scale_by_kernel(
+        x_ptr, stride_x, rows, cols, factor_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """x *= factor, in place, ROWS rows per program; nothing is read or written when the factor
+        is exactly 1 (a plain `loss.backward()`), so the usual call costs a launch, not a pass."""
+        factor = tl.load(factor_ptr).to(tl.float32)
+        if factor != 1.0:
+            first = tl.program_id(0).to(tl.int64) * ROWS
+            for row in range(first, tl.minimum(first + ROWS, rows)):
+                for c in range(0, cols, BLOCK):
+                    offs = c + tl.arange(0, BLOCK)
+                    ptrs = x_ptr + row * stride_x + offs
+                    x = tl.load(ptrs, mask=offs < cols, other=0.0).to(tl.float32)
+                    tl.store(ptrs, (x * factor).to(x_ptr.dtype.element_ty), mask=offs < cols)
+
+
+def _scale_by_(x, factor):
+    """x (R, C) with unit column stride *= factor (a 0-d device tensor), without a host sync."""
+    rows, cols = x.shape
+    per_program = 64
+    if x.numel():
+        _scale_by_kernel[(triton.cdiv(rows, per_program),)](
+            x,
+            x.stride(0),
+            rows,
+            cols,
+            factor.contiguous(),
+            ROWS=per_program,
+            BLOCK=min(1024, triton.next_power_of_2(cols)),
+        )
+    return x
+
+
 def _references(chunk):
     """(ref (C,), flags (row blocks,)) from `_reference_kernel` for a `ChunkStats`."""
     rows = chunk.logp.shape[0]
@@ -381,31 +417,34 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                 logp[start:end], entropy[start:end], lse[start:end] = stats
             loss, g_all, ge_all = _loss_and_grads(whole_loss, logp, entropy, fill_unused=False)
             entropy_grad = ge_all is not None
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        parts = []  # the chunks' loss terms, added once at the end
         # bf16 logits for bf16 models; fp32 for fp32 models and under the interpreter (no bf16)
         buffer_dtype = (
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
         # rows on 16 bytes: the statistics kernel stores the probabilities by TMA
         buffer = aligned_empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
-        for start, end in chunks:
+        # per chunk, on the device in a few launches for all chunks: n, the leading rows that can
+        # carry a gradient (the only ones that get GEMM work with the Triton GEMMs), and n rounded
+        # up to a row block (the entropy path writes zeros up to there)
+        starts = torch.arange(0, N, chunk_rows, device=hidden.device)
+        row_counts = (N - starts).clamp(max=chunk_rows)
+        if triton_gemms:
+            row_counts = torch.minimum((active_rows - starts).clamp(min=0), row_counts)
+        row_counts = row_counts.to(torch.int32)
+        row_limits = (row_counts + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
+        for index, (start, end) in enumerate(chunks):
             chunk = ChunkStats(
                 hidden[start:end], weight, targets[start:end], temperature, buffer[: end - start]
             )
             if whole_loss is None:
                 logp[start:end], entropy[start:end] = chunk.logp, chunk.entropy
                 part, g, ge = chunk_loss(start, end, chunk.logp, chunk.entropy)
-                loss += part
+                parts.append(part)
             else:  # the recomputed statistics are bitwise those of the first pass
                 g = g_all[start:end]
                 ge = None if ge_all is None else ge_all[start:end]
-            rows = end - start
-            if triton_gemms:  # only the leading rows that can carry a gradient get GEMM work
-                n = (active_rows - start).clamp(0, rows).to(torch.int32)
-                limit = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK  # dz zeros to a block edge
-            else:
-                n = limit = torch.full((), rows, dtype=torch.int32, device=hidden.device)
+            n, limit = row_counts[index], row_limits[index]
             ref, flags = _references(chunk)
             chunk.rescale_rows_(ref, flags)  # rows with a very unlikely target, if any
             if entropy_grad:  # dz in place: the GEMMs read it unscaled
@@ -416,11 +455,10 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                     chunk, targets[start:end], ref, g, temperature, hidden[start:end], buffer_dtype
                 )
             z = chunk.probs
-            if need_dh:
-                if triton_gemms:
-                    dh = backward_gemms.dh(z, weight.to(buffer_dtype), n)
-                else:
-                    dh = torch.mm(z, weight.to(buffer_dtype)).float()
+            if need_dh and triton_gemms:  # splits merged, scaled and written in one kernel
+                backward_gemms.dh(z, weight.to(buffer_dtype), n, scale, out=d_hidden[start:end])
+            elif need_dh:
+                dh = torch.mm(z, weight.to(buffer_dtype)).float()
                 d_hidden[start:end] = dh if scale is None else dh * scale[:, None]
             if need_dw and triton_gemms:
                 backward_gemms.add_dw_(d_weight, z, h_rows, n)
@@ -429,6 +467,8 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             elif need_dw:  # fp32 accumulation inside the GEMM, one rounding to the weight's dtype
                 d_weight.addmm_(z.t(), h_rows)
             del chunk, z
+        if whole_loss is None:
+            loss = torch.stack(parts).sum() if parts else logp.new_zeros(())
         del buffer  # free the chunk buffer before the bf16 copy of dW: this sets the peak
         # Kept on ctx, not saved for backward: backward scales them in place and hands them over,
         # so no second [V, H] copy is made (the gradient is the only dW buffer left).
@@ -445,10 +485,9 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             )
         d_hidden, d_weight = ctx.grads
         ctx.grads = None
-        if d_hidden is not None:
-            d_hidden.mul_(grad_loss.to(d_hidden.dtype))
-        if d_weight is not None:
-            d_weight.mul_(grad_loss.to(d_weight.dtype))
+        for grad in (d_hidden, d_weight):
+            if grad is not None:
+                _scale_by_(grad, grad_loss)
         return d_hidden, d_weight, None, None, None, None, None, None, None
 
 

@@ -3,7 +3,8 @@
 What: for rows of `hidden` (N, H) against `weight` (V, H) at a temperature, one Triton kernel tiles
 the logits GEMM and, in its epilogue, folds each fp32 tile into running per-row statistics: max,
 sum of exponentials and the sum of p*z (for entropy). The vocabulary is split across programs so
-that small N still fills the GPU; `combine_stats` merges the splits. A small second kernel takes
+that small N still fills the GPU; a combine kernel merges the splits (`combine_stats` is its
+reference). A small second kernel takes
 each target's logit as one dot product of the row with its target's weight row (cheaper than a
 compare in every tile of the epilogue). The result is the fp32 log-prob of each target and,
 optionally, each row's entropy.
@@ -46,7 +47,7 @@ def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
 
 
 def combine_stats(m, s, pz, t):
-    """Merge per-split base-2 statistics m, s, pz (S, N) and the target's t (N,) into (logp,
+    """The reference of `_combine_kernel`: merge per-split base-2 statistics m, s, pz (S, N) and the target's t (N,) into (logp,
     entropy, lse), each (N,) fp32.
 
     The kernel keeps its statistics in base 2 (z2 = log2(e) * logits / T, so each tile needs one
@@ -149,6 +150,37 @@ if triton is not None:
             w = tl.load(w_ptr + targets[:, None] * stride_w + cols[None, :], mask=both, other=0.0)
             acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), 1)
         tl.store(out_ptr + rows, acc * scale2, mask=row_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        m_ptr,
+        s_ptr,
+        pz_ptr,  # each (S, N) fp32 per-split statistics
+        t_ptr,  # (N,) the target's base-2 logit
+        logp_ptr,
+        ent_ptr,
+        lse_ptr,  # out, each (N,) fp32
+        N,
+        S,
+        BLOCK: tl.constexpr,
+    ):
+        """`combine_stats` in one launch (the splits are added in a fixed order)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < N
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
+        for i in range(0, S):
+            top = tl.maximum(top, tl.load(m_ptr + i * N + rows, mask=ok, other=0.0))
+        total = tl.zeros([BLOCK], tl.float32)
+        weighted = tl.zeros([BLOCK], tl.float32)
+        for i in range(0, S):
+            scale = tl.exp2(tl.load(m_ptr + i * N + rows, mask=ok, other=0.0) - top)
+            total += tl.load(s_ptr + i * N + rows, mask=ok, other=0.0) * scale
+            weighted += tl.load(pz_ptr + i * N + rows, mask=ok, other=0.0) * scale
+        lse2 = top + tl.log2(total)
+        t = tl.load(t_ptr + rows, mask=ok, other=0.0)
+        tl.store(logp_ptr + rows, (t - lse2) * 0.6931471805599453, mask=ok)
+        tl.store(ent_ptr + rows, (lse2 - weighted / total) * 0.6931471805599453, mask=ok)
+        tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=ok)
 
     @triton.jit
     def _lm_head_stats_kernel(
@@ -324,6 +356,27 @@ def _target_logits(hidden, weight, targets, scale2):
     return out
 
 
+def _combine(stats, target):
+    """(logp, entropy, lse) from the per-split statistics, by `_combine_kernel`."""
+    N = target.shape[0]
+    out = torch.empty(3, N, dtype=torch.float32, device=target.device)
+    if N > 0:
+        block = 128
+        _combine_kernel[(triton.cdiv(N, block),)](
+            stats[0],
+            stats[1],
+            stats[2],
+            target,
+            out[0],
+            out[1],
+            out[2],
+            N,
+            stats.shape[1],
+            BLOCK=block,
+        )
+    return out[0], out[1], out[2]
+
+
 def _new_stats(hidden, weight):
     """An uninitialised (3, S, N) fp32 buffer for the per-split statistics m, s, pz."""
     block_n = _blocks(hidden.shape[1], hidden.element_size())[1]
@@ -393,7 +446,7 @@ def lm_head_stats_triton(
     stats = _new_stats(hidden, weight)
     target = _target_logits(hidden, weight, targets, scale2)
     _launch_stats(hidden, weight, scale2, stats, entropy=with_entropy)
-    logp, entropy, lse = combine_stats(*stats, target)
+    logp, entropy, lse = _combine(stats, target)
     return logp, entropy if with_entropy else None, lse
 
 
@@ -421,7 +474,7 @@ class ChunkStats:
         _launch_stats(
             self.hidden, self.weight, self.scale2, stats, probs_out=probs, reference=self.target2
         )
-        self.logp, self.entropy, self.lse = combine_stats(*stats, self.target2)
+        self.logp, self.entropy, self.lse = _combine(stats, self.target2)
         self._stats = stats
 
     def rescale_rows_(self, reference, flags):

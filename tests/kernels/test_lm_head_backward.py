@@ -45,3 +45,16 @@ def test_dh_split_k_matches_reference_and_is_zero_past_n(c, v, h, n):
     assert torch.allclose(got.double().cpu(), want.double(), atol=tol, rtol=tol)
     assert (got[n:] == 0).all()
     assert torch.equal(got, bwd.dh(dz, weight, count))  # fixed summation order: deterministic
+
+
+def test_dh_scales_rows_and_writes_into_a_strided_output():
+    c, v, h, n = 37, 151, 48, 30
+    dz, _, weight, count = _chunk(c, v, h, n, seed=5)
+    scale = torch.randn(c, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out = torch.full((c, h + 5), 7.0, dtype=weight.dtype, device=DEVICE)  # a padded row stride
+    got = bwd.dh(dz, weight, count, row_scale=scale, out=out[:, :h])
+    want = bwd.dh_ref(dz.cpu(), weight.cpu(), n).double() * scale.cpu().double()[:, None]
+    tol = 3e-2 if ON_GPU else 1e-4
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol)
+    assert (out[:, h:] == 7.0).all()  # the padding is left alone

@@ -315,3 +315,45 @@ def test_second_backward_through_the_fused_loss_is_refused_clearly():
     )
     again.backward()
     assert torch.allclose(first, 2 * h.grad)
+
+
+def test_backward_scaling_by_the_incoming_gradient():
+    """The gradients are made in the forward call; backward multiplies them by the incoming
+    gradient on the device, and leaves them untouched when it is exactly 1."""
+    x = torch.randn(70, 13, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    same = fused._scale_by_(x.clone(), torch.ones((), device=DEVICE))
+    assert torch.equal(same, x)
+    half = fused._scale_by_(x.clone(), torch.full((), -0.5, device=DEVICE))
+    assert torch.equal(half, x * -0.5)
+    strided = torch.zeros(70, 16, device=DEVICE)
+    strided[:, :13] = x
+    fused._scale_by_(strided[:, :13], torch.full((), 3.0, device=DEVICE))
+    assert torch.equal(strided[:, :13], x * 3.0) and (strided[:, 13:] == 0).all()
+
+
+def test_fused_gradients_scale_with_the_loss():
+    hidden, weight, targets, mask, advantages, _ = _batch(3)
+    t = mask.shape[1]
+    weights = fused.token_weights(mask, "grpo").reshape(-1)
+    grads = []
+    for factor in (1.0, -2.5):
+        h = hidden.to(DEVICE).clone().requires_grad_()
+        w = weight.to(DEVICE).clone().requires_grad_()
+        loss, _, _ = fused.fused_token_loss(
+            h,
+            w,
+            targets.to(DEVICE),
+            weights.to(DEVICE),
+            advantages.repeat_interleave(t).to(DEVICE),
+            None,
+            None,
+            None,
+            1.0,
+            128,
+            {"loss_type": "grpo"},
+        )
+        (loss * factor).backward()
+        grads.append((h.grad, w.grad))
+    assert grads[0][0].abs().sum() > 0
+    assert torch.allclose(grads[1][0], grads[0][0] * -2.5, rtol=1e-6, atol=1e-9)
+    assert torch.allclose(grads[1][1], grads[0][1] * -2.5, rtol=1e-6, atol=1e-9)

@@ -69,3 +69,17 @@ def test_stats_kernel_at_a_real_vocabulary_and_int64_offsets():
     assert (logp.double() - want_logp).abs().max() <= 1e-4
     assert (entropy.double() - want_entropy).abs().max() <= 1e-4
     assert os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def test_combine_kernel_matches_its_torch_reference():
+    gen = torch.Generator().manual_seed(3)
+    splits, n = 5, 37
+    m = torch.randn(splits, n, generator=gen) * 10
+    s = torch.rand(splits, n, generator=gen) * 100 + 1
+    pz = torch.randn(splits, n, generator=gen) * 50
+    t = torch.randn(n, generator=gen) * 10
+    stats = torch.stack([m, s, pz]).to(DEVICE)
+    got = ops._combine(stats, t.to(DEVICE))
+    want = ops.combine_stats(m.double(), s.double(), pz.double(), t.double())
+    for g, w in zip(got, want):
+        assert torch.allclose(g.double().cpu(), w, rtol=1e-5, atol=1e-5)
