@@ -138,7 +138,7 @@ def _dw_blocks(H: int, itemsize: int = 2):
         return 32, 16, 16, 4, 1
     if itemsize == 4:  # fp32 operands: half the k step, to fit shared memory
         return 128, 128, 32, 8, 3
-    return (256, 128, 64, 8, 3) if H <= 1024 else (128, 256, 64, 8, 3)
+    return (256, 128, 64, 8, 4) if H <= 1024 else (128, 256, 64, 8, 3)
 
 
 def _dh_blocks(H: int, itemsize: int = 2):

@@ -108,9 +108,10 @@ if triton is not None:
         (for the gradient pass) is 2^(z2 - reference) per element, the tile's exponentials times
         one factor per row.
         """
-        if not EVEN_V:  # a large finite floor: 2^(floor - max) is 0 and 0 * floor is 0
-            cols = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.where((cols < V)[None, :], acc, -1.0e30 / scale2)
+        if not EVEN_V:  # only the last tile reaches past V
+            if (tile + 1) * BLOCK_N > V:  # a large finite floor: 2^(floor - max) is 0, 0 * floor 0
+                cols = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+                acc = tl.where((cols < V)[None, :], acc, -1.0e30 / scale2)
         new_max = tl.maximum(running_max, tl.max(acc, 1) * scale2)
         p = tl.exp2(acc * scale2 - new_max[:, None])
         if STORE_PROBS:  # TMA store, clipped at N and V
