@@ -37,6 +37,7 @@ import os
 
 import torch
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, multiprocessors, triton
 
 if triton is not None:
@@ -142,7 +143,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -217,8 +221,11 @@ if triton is not None:
         S,
         D: tl.constexpr,
         S_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         """out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s for one (row, head)."""
+        pdl.start(PDL)
+        pdl.wait(PDL)
         r = tl.program_id(0).to(tl.int64)
         splits = tl.arange(0, S_PAD)
         ok = splits < S
@@ -354,10 +361,21 @@ def decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps,
         num_stages=stages,
+        PDL=pdl.active(),
+        **pdl.launch_options(),
     )
     if splits > 1:
         _combine_splits_kernel[(B * nh,)](
-            partial, m, l_s, out, B * nh, splits, D=d, S_PAD=triton.next_power_of_2(splits)
+            partial,
+            m,
+            l_s,
+            out,
+            B * nh,
+            splits,
+            D=d,
+            S_PAD=triton.next_power_of_2(splits),
+            PDL=pdl.active(),
+            **pdl.launch_options(),
         )
     return out
 

@@ -43,6 +43,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.swiglu import silu_mul
@@ -102,7 +103,11 @@ if triton is not None:
         BK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+        LINE: tl.constexpr,  # weight elements per 128-byte line
+        PREFETCH_LINES: tl.constexpr,  # a power of two >= the lines of one row's k range
     ):
+        pdl.start(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -117,6 +122,13 @@ if triton is not None:
         if SPLIT_K:
             k_start = tl.program_id(2) * k_per_split
             k_end = tl.minimum(K, k_start + k_per_split)
+        if PDL:  # the weight is no earlier kernel's output: fetch it while that kernel finishes
+            ks = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
+            w_rows = tl.minimum(cols, N - 1)
+            pdl.prefetch_l2(w_ptr + w_rows[:, None] * stride_w + ks[None, :], PDL)
+            if SWIGLU:
+                pdl.prefetch_l2(w_ptr + (w_rows + N)[:, None] * stride_w + ks[None, :], PDL)
+        pdl.wait(PDL)
         for k0 in range(k_start, k_end, BK):
             ks = k0 + tl.arange(0, BK)
             if EVEN_K:
@@ -236,6 +248,8 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
     cfg = dict(cfg)
     bm = cfg.pop("BM")
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm), splits)
+    line = 128 // weight.element_size()
+    k_range = k_per_split if k_per_split > 0 else K
     _decode_linear_kernel[grid](
         x,
         weight,
@@ -254,8 +268,12 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
         BM=bm,
         LIBDEVICE=not _interpreting(),
         DOT_FP32=_interpreting(),
+        PDL=pdl.active(),
+        LINE=line,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_range, line)),
         enable_fp_fusion=False,
         **cfg,
+        **pdl.launch_options(),
     )
 
 

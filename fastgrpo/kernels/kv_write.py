@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import triton
 
 if triton is not None:
@@ -41,7 +42,10 @@ if triton is not None:
         Tc,
         WIDTH: tl.constexpr,  # nkv * d
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)
         b = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr)
         cols = tl.arange(0, BLOCK)
@@ -95,6 +99,8 @@ def write_kv_triton(comp_k, comp_v, k, v, slot) -> None:
         WIDTH=nkv * d,
         BLOCK=triton.next_power_of_2(nkv * d),
         num_warps=1 if nkv * d <= 256 else 4,
+        PDL=pdl.active(),
+        **pdl.launch_options(),
     )
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import _interpreting, multiprocessors, triton
 
 if triton is not None:
@@ -138,7 +139,10 @@ if triton is not None:
         stride_split,  # elements between the parts (with SPLITS)
         BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
@@ -298,6 +302,8 @@ def _launch(
         num_warps=min(16, max(1, block // 256)),
         enable_fp_fusion=False,
         enable_reflect_ftz=False,  # rsqrt without flush-to-zero, as nvcc compiles torch's
+        PDL=pdl.active(),
+        **pdl.launch_options(),
     )
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.kv_write import check_cache_write, write_kv_ref
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 
@@ -151,7 +152,10 @@ if triton is not None:
         NQ_PAD: tl.constexpr,
         NK_PAD: tl.constexpr,
         WRITE_KV: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         c1, c2, s1, s2 = _table_halves(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_PAD)
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, NQ, c1, c2, s1, s2, HALF, HALF_PAD, NQ_PAD)
@@ -327,6 +331,8 @@ def _launch(q, k, cos, sin, kv_write) -> None:
         WRITE_KV=kv_write is not None,
         num_warps=4,
         enable_fp_fusion=False,
+        PDL=pdl.active(),
+        **pdl.launch_options(),
     )
 
 

@@ -44,6 +44,7 @@ import math
 
 import torch
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, triton
 
 if triton is not None:
@@ -144,7 +145,10 @@ if triton is not None:
         BLOCKS_PER_SPLIT: tl.constexpr,
         GREEDY: tl.constexpr,
         FAST_LOG: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         start = split * (BLOCK_V * BLOCKS_PER_SPLIT)
@@ -202,7 +206,10 @@ if triton is not None:
         stride_v,
         scale,
         S_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         splits = tl.arange(0, S_PAD)
         ok = splits < S
@@ -313,6 +320,8 @@ def sample_tokens_fused(
         GREEDY=greedy,
         FAST_LOG=not _interpreting(),
         num_warps=warps,
+        PDL=pdl.active(),
+        **pdl.launch_options(),
     )
     _combine_splits_kernel[(B,)](
         logits,
@@ -327,6 +336,8 @@ def sample_tokens_fused(
         *strides,
         scale,
         S_PAD=triton.next_power_of_2(splits),
+        PDL=pdl.active(),
+        **pdl.launch_options(),
     )
     return tokens, logp
 
