@@ -123,11 +123,11 @@ if triton is not None:
             k_start = tl.program_id(2) * k_per_split
             k_end = tl.minimum(K, k_start + k_per_split)
         if PDL:  # the weight is no earlier kernel's output: fetch it while that kernel finishes
-            ks = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
+            line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
             w_rows = tl.minimum(cols, N - 1)
-            pdl.prefetch_l2(w_ptr + w_rows[:, None] * stride_w + ks[None, :], PDL)
+            pdl.prefetch_l2(w_ptr + w_rows[:, None] * stride_w + line_k[None, :], PDL)
             if SWIGLU:
-                pdl.prefetch_l2(w_ptr + (w_rows + N)[:, None] * stride_w + ks[None, :], PDL)
+                pdl.prefetch_l2(w_ptr + (w_rows + N)[:, None] * stride_w + line_k[None, :], PDL)
         pdl.wait(PDL)
         for k0 in range(k_start, k_end, BK):
             ks = k0 + tl.arange(0, BK)
