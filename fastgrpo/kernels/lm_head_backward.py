@@ -132,8 +132,8 @@ if triton is not None:
 
 def _dw_blocks(H: int, itemsize: int = 2):
     """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages). Measured on the H100
-    (benchmarks/tune_lm_head_backward.py, 2048-row chunks): 256x128 tiles at H=896 (1.09 ms, cuBLAS
-    1.04), 128x256 at H=3584 (4.09 ms, cuBLAS 3.73)."""
+    (benchmarks/tune_lm_head_backward.py, 2048-row chunks, fp32 dW; results v2 and v3): 256x128
+    tiles with 4 stages at H=896 (1.05 ms, cuBLAS 1.03), 128x256 at H=3584 (4.09 ms, cuBLAS 3.73)."""
     if _interpreting():
         return 32, 16, 16, 4, 1
     if itemsize == 4:  # fp32 operands: half the k step, to fit shared memory
