@@ -1,6 +1,7 @@
 """The two backward GEMMs of the fused LM-head loss, skipping rows whose gradient is zero.
 
-What: for one chunk of rows with dlogits `dz` (C, V) (bf16, rows 16-byte aligned), hidden states
+What: for one chunk of rows with `dz` (C, V) (bf16, rows 16-byte aligned: d(loss)/d(logits), or
+the fused loss's relative probabilities, whose row scale it applies separately), hidden states
 (C, H) and the LM-head weight (V, H):
 - `add_dw_(dw, dz, hidden, n_rows)`: dW += dz[:n]^T @ hidden[:n], accumulated in fp32 inside the
   kernel and added to `dw` (fp32, or bf16 with one rounding) in its epilogue;
@@ -8,7 +9,8 @@ What: for one chunk of rows with dlogits `dz` (C, V) (bf16, rows 16-byte aligned
   fixed partial sums that are added in a fixed order, so the result is deterministic.
 `n_rows` is a device tensor: only the first n rows can carry a gradient (the caller orders rows so),
 and the kernels read it on the device, so skipping them needs no host sync. Row blocks past n do no
-GEMM work at all; rows past n inside the last block must hold zeros in `dz`.
+GEMM work at all; rows past n inside the last block must contribute nothing: zeros in `dz` (or, for
+dW, in `hidden`; for dH, a zero `row_scale`).
 
 Why: a GRPO batch often has whole groups at zero advantage (and masked rows); cuBLAS would still
 spend 4*N*H*V FLOPs on their zero gradients, because its shapes are fixed on the host.
@@ -49,7 +51,7 @@ if triton is not None:
 
     @triton.jit
     def _dw_kernel(
-        z_desc,  # (C, V) dlogits, blocks (BLOCK_R, BLOCK_V)
+        z_desc,  # (C, V) dz, blocks (BLOCK_R, BLOCK_V)
         h_desc,  # (C, H) hidden, blocks (BLOCK_R, BLOCK_H)
         dw_desc,  # (V, H) accumulated gradient, blocks (BLOCK_V, BLOCK_H)
         n_ptr,  # () int32: rows that can carry a gradient
@@ -75,7 +77,7 @@ if triton is not None:
 
     @triton.jit
     def _dh_kernel(
-        z_desc,  # (C, V) dlogits, blocks (BLOCK_R, BLOCK_V)
+        z_desc,  # (C, V) dz, blocks (BLOCK_R, BLOCK_V)
         w_desc,  # (V, H) weight, blocks (BLOCK_V, BLOCK_H)
         part_desc,  # (S * C_pad, H) fp32 partial sums, blocks (BLOCK_R, BLOCK_H)
         n_ptr,

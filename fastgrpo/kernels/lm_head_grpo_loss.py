@@ -2,12 +2,15 @@
 
 What: rows (completion tokens, packed) go through the LM head in chunks sized by a memory budget.
 For each chunk one Triton kernel computes the logits tile by tile, keeps fp32 softmax statistics
-(so log-probs are exact to ~1e-6 and bitwise equal to scoring) and stores the logits once in bf16;
-the per-token loss and its derivative with respect to each row's log-prob (and entropy) are tiny
-O(rows) tensor ops; a second kernel turns the stored logits into d(loss)/d(logits) in place; two
-GEMMs then give d(hidden) for the chunk and accumulate d(weight) in fp32. The gradient is finished
-during the forward call, so backward only scales it: 6*N*H*V FLOPs in all, one chunk of logits in
-memory at a time.
+(so log-probs are exact to ~1e-6 and bitwise equal to scoring) and stores each row's probabilities
+relative to its target's, e = p / p_target, once in bf16 (`lm_head_stats.ChunkStats`); the per-token
+loss and its derivatives with respect to each row's log-prob (and entropy) come from one small
+kernel. Since d(loss)/d(logits) = (g / T)(onehot - p) = s * e' per row (s = -(g / T) p_target, e'
+is e with the target's entry set to 1 - 1 / p_target, written by a per-row kernel), two plain GEMMs
+give d(hidden) = s * (e' @ W) and accumulate d(weight) += e'^T @ (s * hidden), with no pass over
+the (rows, V) values in between (the entropy bonus, whose gradient needs ln p per element, keeps
+one). The gradient is finished during the forward call, so backward only scales it: 6*N*H*V FLOPs
+in all, one chunk of probabilities in memory at a time.
 
 Why: the `[tokens, vocab]` logits are where GRPO spends its memory (5 GB in bf16 at 16k tokens and
 a 152k vocabulary); this path never holds more than one chunk of them.
