@@ -120,7 +120,8 @@ if triton is not None:
         alpha = tl.exp2(running_max - new_max)
         running_sum = running_sum * alpha + tl.sum(p, 1)
         if WITH_ENTROPY:
-            running_pz = running_pz * alpha + tl.sum(p * (acc * scale2), 1)
+            # sum of p * acc (raw); scaled to base-2 units once, at the store
+            running_pz = running_pz * alpha + tl.sum(p * acc, 1)
         return new_max, running_sum, running_pz
 
     @triton.jit
@@ -252,7 +253,7 @@ if triton is not None:
         out = split.to(tl.int64) * N + rows
         tl.store(m_ptr + out, running_max, mask=row_ok)
         tl.store(s_ptr + out, running_sum, mask=row_ok)
-        tl.store(pz_ptr + out, running_pz, mask=row_ok)
+        tl.store(pz_ptr + out, running_pz * scale2, mask=row_ok)
 
 
 def multiprocessors(device: torch.device | int | None = None) -> int:
