@@ -21,7 +21,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="16384x896x151936")
     parser.add_argument("--config", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,warps,stages")
-    parser.add_argument("--store", action="store_true", help="also store the bf16 logits")
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="the training path: also store the relative probabilities (bf16)",
+    )
     parser.add_argument("--calls", type=int, default=4)
     args = parser.parse_args()
     n, h, v = (int(x) for x in args.shape.split("x"))
