@@ -1,6 +1,6 @@
 """Rows per chunk of the fused LM-head loss: time and peak extra memory of one fwd+bwd call.
 
-Larger chunks mean fewer launches and fuller GEMMs but a larger logits buffer (2 * V bytes per row)
+Larger chunks mean fewer launches and fuller GEMMs but a larger buffer of (rows, V) probabilities (2 * V bytes per row)
 and larger dH partial sums (~20 * H bytes per row). This sweeps the chunk size on the issue's
 shapes so the default budget (`lm_head_grpo_loss.DEFAULT_CHUNK_BYTES`) can be chosen from
 measurements. Prints a table, then one JSON line. Run on a CUDA GPU:

@@ -43,7 +43,9 @@ if triton is not None:
     import triton.language as tl
 
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-DEFAULT_CHUNK_BYTES = 640 * 2**20  # bf16 logits of one chunk: ~2k rows at a 152k vocabulary
+DEFAULT_CHUNK_BYTES = (
+    640 * 2**20
+)  # one chunk of bf16 (rows, V) values: ~2k rows at a 152k vocabulary
 # The two backward GEMMs: "triton" (lm_head_backward: rows known to have no gradient skipped, on
 # the device) or "cublas" (torch.mm, every row; 3-5% faster when no row can be skipped).
 BACKWARD_GEMMS = "triton"
@@ -421,7 +423,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             loss, g_all, ge_all = _loss_and_grads(whole_loss, logp, entropy, fill_unused=False)
             entropy_grad = ge_all is not None
         parts = []  # the chunks' loss terms, added once at the end
-        # bf16 logits for bf16 models; fp32 for fp32 models and under the interpreter (no bf16)
+        # bf16 probabilities for bf16 models; fp32 for fp32 models and under the interpreter
         buffer_dtype = (
             torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
