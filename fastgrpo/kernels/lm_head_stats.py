@@ -443,30 +443,27 @@ def lm_head_stats_triton(
 
     Without `with_entropy` the epilogue skips the entropy sum and None is returned in its place.
     """
-    hidden, weight = _prepare(hidden, weight, targets)
-    scale2 = LOG2E / temperature
-    stats = _new_stats(hidden, weight)
-    target = _target_logits(hidden, weight, targets, scale2)
-    _launch_stats(hidden, weight, scale2, stats, entropy=with_entropy)
-    logp, entropy, lse = _combine(stats, target)
-    return logp, entropy if with_entropy else None, lse
+    stats = ChunkStats(hidden, weight, targets, temperature, with_entropy=with_entropy)
+    return stats.logp, stats.entropy if with_entropy else None, stats.lse
 
 
 class ChunkStats:
-    """Statistics of one chunk of rows for the gradient pass, and its relative probabilities.
+    """Statistics of a chunk of rows (logp, entropy, lse, the target's base-2 logit) and, for the
+    gradient pass, its relative probabilities. Scoring (`lm_head_stats_triton`) is the same call
+    without `probs`, so both get bitwise the same statistics.
 
-    `probs` (C, V) receives e = 2^(z2 - t2) = p / p_target per element (z2 the base-2 logits at
-    the temperature, t2 the target's): the statistics kernel writes it from the exponentials it
-    takes anyway, one multiply per element, and the gradient GEMMs read it as it is, scaled per
-    row (see `lm_head_grpo_loss`). A row whose target is very unlikely (p_target below 2^-60,
-    `SAFE_LOG2_RATIO`) could overflow that form, so `rescale_rows_` recomputes such rows against
-    the row's own log-sum-exp instead (e = p), on the device and only for the row blocks that
-    hold one.
+    `probs` (C, V), when given, receives e = 2^(z2 - t2) = p / p_target per element (z2 the base-2
+    logits at the temperature, t2 the target's): the statistics kernel writes it from the
+    exponentials it takes anyway, one multiply per element, and the gradient GEMMs read it as it
+    is, scaled per row (see `lm_head_grpo_loss`). A row whose target is very unlikely (p_target
+    below 2^-60, `SAFE_LOG2_RATIO`) could overflow that form, so `rescale_rows_` recomputes such
+    rows against the row's own log-sum-exp instead (e = p), on the device and only for the row
+    blocks that hold one.
     """
 
     SAFE_LOG2_RATIO = 60.0
 
-    def __init__(self, hidden, weight, targets, temperature, probs):
+    def __init__(self, hidden, weight, targets, temperature, probs=None, with_entropy=True):
         self.hidden, self.weight = _prepare(hidden, weight, targets)
         self.scale2 = LOG2E / temperature
         self.probs = probs
@@ -474,7 +471,13 @@ class ChunkStats:
         stats = _new_stats(self.hidden, self.weight)
         self.target2 = _target_logits(self.hidden, self.weight, targets, self.scale2)
         _launch_stats(
-            self.hidden, self.weight, self.scale2, stats, probs_out=probs, reference=self.target2
+            self.hidden,
+            self.weight,
+            self.scale2,
+            stats,
+            probs_out=probs,
+            reference=self.target2,
+            entropy=with_entropy,
         )
         self.logp, self.entropy, self.lse = _combine(stats, self.target2)
         self._stats = stats

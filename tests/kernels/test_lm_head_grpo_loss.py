@@ -138,14 +138,13 @@ def _check_fused_against_reference(settings, chunk_rows, h=32, t=5, unlikely_row
     assert torch.allclose(w.grad.cpu().double(), w64.grad, atol=1e-4, rtol=1e-3)
 
 
-def test_frozen_weight_gets_no_gradient_and_masked_rows_none():
-    hidden, weight, targets, mask, advantages, _ = _batch(2)
+def _plain_grpo_loss(h, w, targets, mask, advantages):
+    """The fused "grpo" loss of a `_batch` on the device (no old / ref log-probs, T = 1)."""
     t = mask.shape[1]
     weights = fused.token_weights(mask, "grpo").reshape(-1)
-    h = hidden.to(DEVICE).clone().requires_grad_()
     loss, _, _ = fused.fused_token_loss(
         h,
-        weight.to(DEVICE),
+        w,
         targets.to(DEVICE),
         weights.to(DEVICE),
         advantages.repeat_interleave(t).to(DEVICE),
@@ -156,7 +155,14 @@ def test_frozen_weight_gets_no_gradient_and_masked_rows_none():
         128,
         {"loss_type": "grpo"},
     )
-    loss.backward()
+    return loss
+
+
+def test_frozen_weight_gets_no_gradient_and_masked_rows_none():
+    hidden, weight, targets, mask, advantages, _ = _batch(2)
+    t = mask.shape[1]
+    h = hidden.to(DEVICE).clone().requires_grad_()
+    _plain_grpo_loss(h, weight.to(DEVICE), targets, mask, advantages).backward()
     grad = h.grad.cpu().view(3, t, -1)
     assert (grad[0, 3:] == 0).all() and (grad[2] == 0).all()  # masked rows; zero advantage
     assert grad[1].abs().sum() > 0
@@ -333,26 +339,11 @@ def test_backward_scaling_by_the_incoming_gradient():
 
 def test_fused_gradients_scale_with_the_loss():
     hidden, weight, targets, mask, advantages, _ = _batch(3)
-    t = mask.shape[1]
-    weights = fused.token_weights(mask, "grpo").reshape(-1)
     grads = []
     for factor in (1.0, -2.5):
         h = hidden.to(DEVICE).clone().requires_grad_()
         w = weight.to(DEVICE).clone().requires_grad_()
-        loss, _, _ = fused.fused_token_loss(
-            h,
-            w,
-            targets.to(DEVICE),
-            weights.to(DEVICE),
-            advantages.repeat_interleave(t).to(DEVICE),
-            None,
-            None,
-            None,
-            1.0,
-            128,
-            {"loss_type": "grpo"},
-        )
-        (loss * factor).backward()
+        (_plain_grpo_loss(h, w, targets, mask, advantages) * factor).backward()
         grads.append((h.grad, w.grad))
     assert grads[0][0].abs().sum() > 0
     assert torch.allclose(grads[1][0], grads[0][0] * -2.5, rtol=1e-6, atol=1e-9)
