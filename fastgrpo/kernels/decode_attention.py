@@ -361,7 +361,6 @@ def decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps,
         num_stages=stages,
-        PDL=pdl.active(),
         **pdl.launch_options(),
     )
     if splits > 1:
@@ -374,7 +373,6 @@ def decode_attention_triton(
             splits,
             D=d,
             S_PAD=triton.next_power_of_2(splits),
-            PDL=pdl.active(),
             **pdl.launch_options(),
         )
     return out

@@ -268,7 +268,6 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
         BM=bm,
         LIBDEVICE=not _interpreting(),
         DOT_FP32=_interpreting(),
-        PDL=pdl.active(),
         LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_range, line)),
         enable_fp_fusion=False,

@@ -99,7 +99,6 @@ def write_kv_triton(comp_k, comp_v, k, v, slot) -> None:
         WIDTH=nkv * d,
         BLOCK=triton.next_power_of_2(nkv * d),
         num_warps=1 if nkv * d <= 256 else 4,
-        PDL=pdl.active(),
         **pdl.launch_options(),
     )
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for the small kernels of a decode step (Hopper and newer).
 
-What: a kernel launched with `launch_options()` and compiled with `PDL=active()` calls `start(PDL)`
-first, which lets the next kernel in the stream put its programs on the SMs at once, and
+What: a kernel launched with `**launch_options()` (its `PDL` constexpr and the launch flag) calls
+`start(PDL)` first, which lets the next kernel in the stream put its programs on the SMs at once, and
 `wait(PDL)` before it reads or writes anything an earlier kernel of the stream touches; that wait
 returns when the previous kernel has finished and its writes are visible (and, since every
 kernel waits the same way, all earlier ones too). Between the two a kernel may start reading
@@ -74,5 +74,6 @@ def _supported(device: int) -> bool:
 
 
 def launch_options() -> dict:
-    """Extra keywords for a Triton launch: PDL on where `active()`."""
-    return {"launch_pdl": True} if active() else {}
+    """Keywords for a launch of a kernel with a `PDL` constexpr: `PDL=True` and `launch_pdl=True`
+    where `active()`, else `PDL=False` (a plain launch)."""
+    return {"PDL": True, "launch_pdl": True} if active() else {"PDL": False}

@@ -302,7 +302,6 @@ def _launch(
         num_warps=min(16, max(1, block // 256)),
         enable_fp_fusion=False,
         enable_reflect_ftz=False,  # rsqrt without flush-to-zero, as nvcc compiles torch's
-        PDL=pdl.active(),
         **pdl.launch_options(),
     )
 

@@ -331,7 +331,6 @@ def _launch(q, k, cos, sin, kv_write) -> None:
         WRITE_KV=kv_write is not None,
         num_warps=4,
         enable_fp_fusion=False,
-        PDL=pdl.active(),
         **pdl.launch_options(),
     )
 

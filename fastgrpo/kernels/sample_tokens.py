@@ -320,7 +320,6 @@ def sample_tokens_fused(
         GREEDY=greedy,
         FAST_LOG=not _interpreting(),
         num_warps=warps,
-        PDL=pdl.active(),
         **pdl.launch_options(),
     )
     _combine_splits_kernel[(B,)](
@@ -336,7 +335,6 @@ def sample_tokens_fused(
         *strides,
         scale,
         S_PAD=triton.next_power_of_2(splits),
-        PDL=pdl.active(),
         **pdl.launch_options(),
     )
     return tokens, logp
