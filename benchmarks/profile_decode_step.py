@@ -1,12 +1,17 @@
-"""Kernel-level profile of the engine's decode steps (no CUDA graph, so each kernel shows).
+"""Kernel-level profile of the engine's decode steps.
 
 0.5B shape, random bf16 weights, prompt 128, 33 new tokens, 64 rows (64 prompts x 1 sample, or
-e.g. 8 x 8 with --prompts 8 --samples 8); prints the top CUDA kernels.
-Run on a CUDA GPU:  python benchmarks/profile_decode_step.py [--prompts P --samples G]
+e.g. 8 x 8 with --prompts 8 --samples 8). Default: eager steps (no CUDA graph, so each kernel runs
+alone) and the top CUDA kernels. With --graph: the steps replayed from the captured graph, as a
+rollout runs them, and per kernel its count and mean duration inside the replay (with programmatic
+dependent launch a kernel starts before the previous one ends, so durations overlap), the decode
+step's span and how much of it no kernel covers.
+Run on a CUDA GPU:  python benchmarks/profile_decode_step.py [--prompts P --samples G] [--graph]
 """
 
 import argparse
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -19,16 +24,60 @@ from bench_rollout import PARAMS, native_model, prompts_of  # noqa: E402
 
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
+NEW_TOKENS = 33
+
+
+def replay_table(prof, steps: int) -> str:
+    """Per kernel name: launches per step and mean duration; then the step's span and idle share.
+    The span runs from the first to the last kernel of the decode steps (the prefill's kernels,
+    before the first replayed step, are left out by taking the last `steps` x per-step kernels)."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        return "no CUDA kernels recorded"
+    sampler = [i for i, e in enumerate(kernels) if e.name == "_sample_splits_kernel"]
+    if len(sampler) < steps + 1:
+        return f"found {len(sampler)} sampler kernels for {steps} steps: cannot split steps"
+    # each decode step ends with its sampler; the decode steps are the kernels after the prefill's
+    first, last = sampler[-steps - 1] + 1, sampler[-1]
+    window = kernels[first : last + 1]
+    per_name = defaultdict(list)
+    for e in window:
+        per_name[e.name].append(e.time_range.elapsed_us())
+    lines = [f"{'kernel':<60} {'per step':>8} {'mean us':>8} {'us/step':>8}"]
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, durations in rows:
+        total = sum(durations) / steps
+        lines.append(
+            f"{name[:60]:<60} {len(durations) / steps:8.1f} "
+            f"{sum(durations) / len(durations):8.2f} {total:8.1f}"
+        )
+    span = window[-1].time_range.end - window[0].time_range.start
+    covered, reach = 0.0, window[0].time_range.start
+    for e in window:
+        start, end = max(e.time_range.start, reach), e.time_range.end
+        if end > start:
+            covered += end - start
+        reach = max(reach, end)
+    lines.append(
+        f"{len(window) / steps:.1f} kernels per step; step span {span / steps:.1f} us; "
+        f"no kernel running {100 * (1 - covered / span):.1f}% of it"
+    )
+    return "\n".join(lines)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--graph", action="store_true", help="profile the graph replay")
     args = parser.parse_args()
     model = native_model("0.5B")
     prompts = prompts_of(args.prompts, 128, model.config.vocab_size)
     never = model.config.vocab_size
-    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=False)
+    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=args.graph)
 
     def run(new_tokens):
         engine.generate(
@@ -36,9 +85,12 @@ def main():
         )
         torch.cuda.synchronize()
 
-    run(8)
+    run(NEW_TOKENS)  # compiles, and captures the graph of this wave shape
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(33)
+        run(NEW_TOKENS)
+    if args.graph:
+        print(replay_table(prof, NEW_TOKENS - 2))  # the replayed steps, less one at the edge
+        return
     table = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
     )

@@ -46,6 +46,8 @@ if triton is not None:
 # FASTGRPO_DECODE_ATTENTION=ref keeps CUDA tensors on the reference (to compare or to bisect)
 USE_TRITON = os.environ.get("FASTGRPO_DECODE_ATTENTION", "triton") != "ref"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
+SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
 
 
 def decode_attention_ref(
@@ -249,13 +251,17 @@ def _blocks() -> tuple[int, int, int]:
 
 
 def _num_splits(rows: int, nkv: int, keys: int, block_n: int, device: torch.device) -> int:
-    """Key splits per (row, kv head): 1 when rows x kv heads already give two programs per
-    multiprocessor (a guess for keeping enough loads in flight, not yet measured), else as many
-    as reach that, at most one per two blocks of the full caches and at most 16. A function of
-    the shapes alone, never of the step, so a captured graph stays valid."""
+    """Key splits per (row, kv head): 1 when rows x kv heads already give a program per
+    multiprocessor, else as many as reach that, at most one per two blocks of the full caches and
+    at most 16. At the 0.5B shape with 64 rows (128 programs) on an H100, 2 splits took 1.085 ms
+    per decode step, 1 split 1.204 and 3 splits (the earlier two programs per multiprocessor)
+    1.121 (benchmarks/NOTES.md). A function of the shapes alone, never of the step, so a
+    captured graph stays valid."""
     if device.type != "cuda":
         return 1
-    programs, target = rows * nkv, 2 * multiprocessors(device)
+    if SPLITS > 0:
+        return SPLITS
+    programs, target = rows * nkv, multiprocessors(device)
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), keys // (2 * block_n), 16))

@@ -46,11 +46,13 @@ import torch.nn.functional as F
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
+from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
 from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
     import triton.language as tl
 
+    from fastgrpo.kernels.rope import _rotate
     from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 
 # FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
@@ -81,6 +83,65 @@ def linear_ref(
 
 
 if triton is not None:
+
+    @triton.jit
+    def _accumulate(
+        x_ptr,
+        w_ptr,
+        rows,  # (BM,) int64 rows of x
+        cols,  # (BN,) int64 rows of w: any set of them, not only a contiguous block
+        row_ok,
+        col_ok,
+        up_offset,  # with SWIGLU: rows between a gate row and its up row
+        K,
+        stride_x,
+        stride_w,
+        k_start,
+        k_end,
+        SWIGLU: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        PDL: tl.constexpr,
+        LINE: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr,
+    ):
+        """(acc, acc_up), fp32 (BM, BN): x[rows, k_start:k_end] @ w[cols, k_start:k_end].T, and
+        with SWIGLU the same for w's rows cols + up_offset. With PDL the weight rows are prefetched
+        into L2 (they are no earlier kernel's output) before waiting for the previous kernel."""
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        if PDL:
+            line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
+            w_rows = tl.where(col_ok, cols, 0)
+            pdl.prefetch_l2(w_ptr + w_rows[:, None] * stride_w + line_k[None, :], PDL)
+            if SWIGLU:
+                up_rows = w_rows + up_offset
+                pdl.prefetch_l2(w_ptr + up_rows[:, None] * stride_w + line_k[None, :], PDL)
+        pdl.wait(PDL)
+        for k0 in range(k_start, k_end, BK):
+            ks = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                a_ok = row_ok[:, None]
+                w_ok = col_ok[:, None]
+            else:
+                a_ok = row_ok[:, None] & (ks < K)[None, :]
+                w_ok = col_ok[:, None] & (ks < K)[None, :]
+            a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=a_ok, other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+            if DOT_FP32:  # the interpreter has no bf16 dot; fp32 copies are exact
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc)
+            if SWIGLU:
+                up_at = w_ptr + (cols + up_offset)[:, None] * stride_w + ks[None, :]
+                w_up = tl.load(up_at, mask=w_ok, other=0.0)
+                if DOT_FP32:
+                    w_up = w_up.to(tl.float32)
+                acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+        return acc, acc_up
 
     @triton.jit
     def _decode_linear_kernel(
@@ -115,41 +176,34 @@ if triton is not None:
         row_ok = rows < M
         col_ok = cols < N
         dtype = out_ptr.dtype.element_ty
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         k_start = 0
         k_end = K
         if SPLIT_K:
             k_start = tl.program_id(2) * k_per_split
             k_end = tl.minimum(K, k_start + k_per_split)
-        if PDL:  # the weight is no earlier kernel's output: fetch it while that kernel finishes
-            line_k = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
-            w_rows = tl.minimum(cols, N - 1)
-            pdl.prefetch_l2(w_ptr + w_rows[:, None] * stride_w + line_k[None, :], PDL)
-            if SWIGLU:
-                pdl.prefetch_l2(w_ptr + (w_rows + N)[:, None] * stride_w + line_k[None, :], PDL)
-        pdl.wait(PDL)
-        for k0 in range(k_start, k_end, BK):
-            ks = k0 + tl.arange(0, BK)
-            if EVEN_K:
-                a_ok = row_ok[:, None]
-                w_ok = col_ok[:, None]
-            else:
-                a_ok = row_ok[:, None] & (ks < K)[None, :]
-                w_ok = col_ok[:, None] & (ks < K)[None, :]
-            a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=a_ok, other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
-            if DOT_FP32:  # the interpreter has no bf16 dot; fp32 copies are exact
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc)
-            if SWIGLU:
-                w_up = tl.load(
-                    w_ptr + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0
-                )
-                if DOT_FP32:
-                    w_up = w_up.to(tl.float32)
-                acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+        acc, acc_up = _accumulate(
+            x_ptr,
+            w_ptr,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            N,
+            K,
+            stride_x,
+            stride_w,
+            k_start,
+            k_end,
+            SWIGLU,
+            EVEN_K,
+            BM,
+            BN,
+            BK,
+            DOT_FP32,
+            PDL,
+            LINE,
+            PREFETCH_LINES,
+        )
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if SWIGLU:
@@ -163,6 +217,105 @@ if triton is not None:
         if SPLIT_K:
             out_at += tl.program_id(2).to(tl.int64) * M * N
         tl.store(out_at, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        x_ptr,  # (M, K) rows at stride_x, unit stride on K
+        w_ptr,  # (NQ * D + 2 * NKV * D, K) packed q/k/v weight, rows at stride_w
+        b_ptr,  # its bias; unused without HAS_BIAS
+        cos_ptr,
+        sin_ptr,  # (M, D) this step's tables, rows at stride_cos and stride_sin
+        q_ptr,  # (M, NQ * D) contiguous: the rotated queries
+        ck_ptr,
+        cv_ptr,  # (M, Tc, NKV * D) contiguous completion caches
+        slot_ptr,  # () int64: the cache slot this step writes
+        M,
+        K,
+        stride_x,
+        stride_w,
+        stride_cos,
+        stride_sin,
+        Tc,
+        NQ: tl.constexpr,
+        NKV: tl.constexpr,
+        D: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        PDL: tl.constexpr,
+        LINE: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr,
+    ):
+        """q/k/v of a decode step with RoPE and the KV-cache write in the epilogue. Program n owns
+        BN of the packed output's columns. In the q and k parts these are BN / 2 rotation pairs of
+        one head, column p and its partner p + D / 2, interleaved so that the accumulator splits
+        into the two halves; in the v part, BN consecutive columns. Rotated q goes to q_ptr,
+        rotated k and v to slot `slot` of the caches."""
+        pdl.start(PDL)
+        HALF: tl.constexpr = D // 2
+        QCOLS: tl.constexpr = NQ * D
+        KCOLS: tl.constexpr = NKV * D
+        first = tl.program_id(0) * BN  # the first column in the packed layout
+        rows = (tl.program_id(1) * BM + tl.arange(0, BM)).to(tl.int64)
+        row_ok = rows < M
+        idx = tl.arange(0, BN)
+        rotated = first < QCOLS + KCOLS
+        pair = first // D * D + (first % D) // 2 + idx // 2  # the lower half's column
+        cols = tl.where(rotated, pair + (idx % 2) * HALF, first + idx).to(tl.int64)
+        col_ok = cols < QCOLS + 2 * KCOLS
+        acc, _ = _accumulate(
+            x_ptr,
+            w_ptr,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            0,
+            K,
+            stride_x,
+            stride_w,
+            0,
+            K,
+            False,
+            EVEN_K,
+            BM,
+            BN,
+            BK,
+            DOT_FP32,
+            PDL,
+            LINE,
+            PREFETCH_LINES,
+        )
+        dtype = q_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)  # rounded as the GEMM's output is
+        slot = tl.load(slot_ptr)
+        cache_row = rows[:, None] * (Tc * KCOLS) + slot * KCOLS  # (BM, 1) offsets of (row, slot)
+        if rotated:
+            x1, x2 = tl.split(tl.reshape(out, (BM, BN // 2, 2)))  # columns p and p + D / 2
+            lo = (first // D * D + (first % D) // 2 + tl.arange(0, BN // 2)).to(tl.int64)
+            d = lo % D  # < D / 2: the position inside the head
+            ok = row_ok[:, None]
+            c_at = cos_ptr + rows[:, None] * stride_cos + d[None, :]
+            s_at = sin_ptr + rows[:, None] * stride_sin + d[None, :]
+            c1 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32)
+            c2 = tl.load(c_at + HALF, mask=ok, other=0.0).to(tl.float32)
+            s1 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+            s2 = tl.load(s_at + HALF, mask=ok, other=0.0).to(tl.float32)
+            y1, y2 = _rotate(x1, x2, c1, c2, s1, s2)
+            if first < QCOLS:
+                at = q_ptr + rows[:, None] * QCOLS + lo[None, :]
+            else:
+                at = ck_ptr + cache_row + (lo - QCOLS)[None, :]
+            tl.store(at, y1.to(dtype), mask=ok)
+            tl.store(at + HALF, y2.to(dtype), mask=ok)
+        else:
+            at = cv_ptr + cache_row + (cols - QCOLS - KCOLS)[None, :]
+            tl.store(at, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def pick_config(M: int, N: int, K: int, swiglu: bool) -> dict:
@@ -339,6 +492,116 @@ def linear(
         gate, up = out.chunk(2, dim=-1)
         out = silu_mul(gate, up)
     return out
+
+
+def qkv_rope_write_ref(x, weight, bias, cos, sin, comp_k, comp_v, slot, num_heads, num_kv_heads):
+    """A decode step's q/k/v projection, RoPE and KV-cache write by the model's ops: x (M, K),
+    weight (nh * D + 2 * nkv * D, K) packed q/k/v, cos/sin (M, D), caches (M, Tc, nkv, D), slot
+    () int64. Returns the rotated q (M, nh, D); rotated k and v go to the caches at `slot`."""
+    M, D = x.shape[0], comp_k.shape[-1]
+    q, k, v = linear_ref(x, weight, bias).split(
+        [num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1
+    )
+    q, k, v = q.reshape(M, num_heads, D), k.reshape(M, num_kv_heads, D), v.reshape(M, -1, D)
+    rope_write_kv_ref(q, k, v, cos, sin, comp_k, comp_v, slot)
+    return q
+
+
+def takes_qkv_rope(x, weight, bias, cos, comp_k, comp_v) -> bool:
+    """Whether `qkv_rope_write` runs the fused kernel: a decode batch that `takes` runs, a head
+    dim that the kernel's column blocks tile (pairs of one head per block), contiguous caches of
+    x's dtype and tables with unit stride on the head dim."""
+    D = comp_k.shape[-1]
+    bn = pick_config(x.shape[0], weight.shape[0], x.shape[1], False)["BN"] if triton else 0
+    return (
+        takes(x, weight, bias)
+        and bn > 0
+        and D % bn == 0
+        and all(c.is_contiguous() and c.dtype == x.dtype for c in (comp_k, comp_v))
+        and cos.stride(-1) == 1
+    )
+
+
+def qkv_rope_write_triton(x, weight, bias, cos, sin, comp_k, comp_v, slot, num_heads, num_kv_heads):
+    """As `qkv_rope_write_ref`, by one Triton launch (`_qkv_rope_kernel`); no host sync."""
+    if triton is None:
+        raise RuntimeError("the Triton decode linear needs `pip install triton`")
+    _check(x, weight, bias, False)
+    M, K = x.shape
+    B, Tc, nkv, D = comp_k.shape
+    if (
+        nkv != num_kv_heads
+        or B != M
+        or comp_v.shape != comp_k.shape
+        or weight.shape[0] != (num_heads + 2 * nkv) * D
+        or cos.shape != (M, D)
+        or sin.shape != (M, D)
+    ):
+        raise ValueError(
+            f"q/k/v + RoPE + cache write needs x (M, K), a packed weight ((nh + 2 nkv) D, K), "
+            f"tables (M, D) and caches (M, Tc, nkv, D); got x {tuple(x.shape)}, weight "
+            f"{tuple(weight.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, caches "
+            f"{tuple(comp_k.shape)} / {tuple(comp_v.shape)} for {num_heads} q heads"
+        )
+    cfg = pick_config(M, weight.shape[0], K, False)
+    if D % cfg["BN"] or not comp_k.is_contiguous() or not comp_v.is_contiguous():
+        raise ValueError(f"head dim {D} must be a multiple of {cfg['BN']}; contiguous caches")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("cos and sin need unit stride on the head dim")
+    q = torch.empty(M, num_heads, D, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return q
+    if _interpreting() and x.dtype == torch.bfloat16:  # numpy has no bf16 for the tables
+        cos, sin = cos.float(), sin.float()
+    bm = cfg.pop("BM")
+    line = 128 // weight.element_size()
+    _qkv_rope_kernel[(triton.cdiv(weight.shape[0], cfg["BN"]), triton.cdiv(M, bm))](
+        x,
+        weight,
+        weight if bias is None else bias,
+        cos,
+        sin,
+        q,
+        comp_k,
+        comp_v,
+        slot,
+        M,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        Tc,
+        NQ=num_heads,
+        NKV=nkv,
+        D=D,
+        HAS_BIAS=bias is not None,
+        EVEN_K=K % cfg["BK"] == 0,
+        BM=bm,
+        DOT_FP32=_interpreting(),
+        LINE=line,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(K, line)),
+        enable_fp_fusion=False,
+        **cfg,
+        **pdl.launch_options(),
+    )
+    return q
+
+
+def qkv_rope_write(x, weight, bias, cos, sin, comp_k, comp_v, slot, num_heads, num_kv_heads):
+    """`qkv_rope_write_ref` by one kernel where `takes_qkv_rope`, else `linear` and then RoPE and
+    the cache write in one more kernel (`rope_write_kv_`, which falls back to the reference)."""
+    if takes_qkv_rope(x, weight, bias, cos, comp_k, comp_v):
+        return qkv_rope_write_triton(
+            x, weight, bias, cos, sin, comp_k, comp_v, slot, num_heads, num_kv_heads
+        )
+    M, D = x.shape[0], comp_k.shape[-1]
+    q, k, v = linear(x, weight, bias).split(
+        [num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1
+    )
+    q, k, v = q.view(M, num_heads, D), k.view(M, num_kv_heads, D), v.view(M, -1, D)
+    rope_write_kv_(q, k, v, cos, sin, comp_k, comp_v, slot)
+    return q
 
 
 def norm_linear(x, residual, norm_weight, eps, weight, bias, swiglu: bool = False):
