@@ -52,6 +52,7 @@ from fastgrpo.kernels.swiglu import silu_mul
 if triton is not None:
     import triton.language as tl
 
+    from fastgrpo.kernels.rms_norm import _rsqrt
     from fastgrpo.kernels.rope import _rotate
     from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 
@@ -167,6 +168,11 @@ if triton is not None:
         PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
         LINE: tl.constexpr,  # weight elements per 128-byte line
         PREFETCH_LINES: tl.constexpr,  # a power of two >= the lines of one row's k range
+        ss_ptr=None,  # with NORM_ROWS: (P, M) fp32 parts of each row's sum of squares
+        n_parts=0,
+        inv_h=1.0,  # fp32(1 / H) of the norm
+        eps=0.0,
+        NORM_ROWS: tl.constexpr = False,  # x is r * w of a norm's rows r: scale rows by rstd
     ):
         pdl.start(PDL)
         pid_n = tl.program_id(0)
@@ -204,6 +210,13 @@ if triton is not None:
             LINE,
             PREFETCH_LINES,
         )
+        if NORM_ROWS:  # RMSNorm(r) * w @ W.T = rstd * ((r * w) @ W.T), one rstd per row
+            ss = tl.zeros((BM,), dtype=tl.float32)
+            for p in range(0, n_parts):
+                ss += tl.load(ss_ptr + p * M + rows, mask=row_ok, other=0.0)
+            rstd = _rsqrt(ss * inv_h + eps, LIBDEVICE)[:, None]
+            acc = acc * rstd
+            acc_up = acc_up * rstd
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if SWIGLU:
@@ -217,6 +230,79 @@ if triton is not None:
         if SPLIT_K:
             out_at += tl.program_id(2).to(tl.int64) * M * N
         tl.store(out_at, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _linear_residual_kernel(
+        x_ptr,  # (M, K) rows at stride_x, unit stride on K
+        w_ptr,  # (N, K) rows at stride_w
+        b_ptr,  # (N,) bias; unused without HAS_BIAS
+        res_ptr,  # (M, N) the residual stream, rows at stride_res
+        norm_w_ptr,  # (N,) the next RMSNorm's weight
+        new_res_ptr,  # (M, N) contiguous: the residual after the add
+        scaled_ptr,  # (M, N) contiguous: new residual * norm weight
+        ss_ptr,  # (N / BN, M) fp32: each program's part of each row's sum of squares
+        M,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        stride_res,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        PDL: tl.constexpr,
+        LINE: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr,
+    ):
+        """A linear whose output is added to the residual stream and then RMS-normed (a layer's
+        o_proj): r = x @ W.T + b + residual, rounded as the model rounds the GEMM and the add; it
+        stores r, r * norm weight, and per row its columns' part of sum(r^2). The norm's rstd is
+        applied by the next linear (NORM_ROWS), so the norm needs no kernel of its own."""
+        pdl.start(PDL)
+        pid_n = tl.program_id(0)
+        rows = (tl.program_id(1) * BM + tl.arange(0, BM)).to(tl.int64)
+        cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc, _ = _accumulate(
+            x_ptr,
+            w_ptr,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            0,
+            K,
+            stride_x,
+            stride_w,
+            0,
+            K,
+            False,
+            EVEN_K,
+            BM,
+            BN,
+            BK,
+            DOT_FP32,
+            PDL,
+            LINE,
+            PREFETCH_LINES,
+        )
+        dtype = new_res_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        y = acc.to(dtype).to(tl.float32)  # the GEMM's output
+        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=ok, other=0.0)
+        r = (y + res.to(tl.float32)).to(dtype)  # the model's x + attn_out
+        at = rows[:, None] * N + cols[None, :]
+        tl.store(new_res_ptr + at, r, mask=ok)
+        norm_w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        r32 = r.to(tl.float32)
+        tl.store(scaled_ptr + at, (r32 * norm_w[None, :]).to(dtype), mask=ok)
+        tl.store(ss_ptr + pid_n * M + rows, tl.sum(r32 * r32, axis=1), mask=row_ok)
 
     @triton.jit
     def _qkv_rope_kernel(
@@ -394,9 +480,10 @@ def linear_triton(
     return out
 
 
-def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
+def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg, norm=None) -> None:
     """The kernel over (N / BN, M / BM, splits) programs, cfg as `pick_config` gives it;
-    k_per_split 0: one k range, the sum stored in out."""
+    k_per_split 0: one k range, the sum stored in out. norm: (ss parts (P, M), H, eps) when x is
+    a norm's rows times its weight (`linear_norm_linear`)."""
     M, K = x.shape
     cfg = dict(cfg)
     bm = cfg.pop("BM")
@@ -424,9 +511,17 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
         LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_range, line)),
         enable_fp_fusion=False,
+        **_norm_rows_args(norm),
         **cfg,
         **pdl.launch_options(),
     )
+
+
+def _norm_rows_args(norm) -> dict:
+    if norm is None:
+        return {}
+    ss, H, eps = norm
+    return dict(ss_ptr=ss, n_parts=ss.shape[0], inv_h=1.0 / H, eps=eps, NORM_ROWS=True)
 
 
 def split_k_config(M: int, N: int, K: int) -> dict:
@@ -602,6 +697,101 @@ def qkv_rope_write(x, weight, bias, cos, sin, comp_k, comp_v, slot, num_heads, n
     q, k, v = q.view(M, num_heads, D), k.view(M, num_kv_heads, D), v.view(M, -1, D)
     rope_write_kv_(q, k, v, cos, sin, comp_k, comp_v, slot)
     return q
+
+
+def takes_norm_between(x, weight, bias, residual, norm_weight, weight2, bias2) -> bool:
+    """Whether `linear_norm_linear` runs its two kernels: both products are ones `takes` runs,
+    and the residual and norm weight are x's dtype with unit last strides."""
+    M, N = x.shape[0], weight.shape[0]
+    return (
+        takes(x, weight, bias)
+        and takes(residual, weight2, bias2)
+        and residual.shape == (M, N)
+        and norm_weight.shape == (N,)
+        and norm_weight.dtype == residual.dtype == x.dtype
+        and norm_weight.is_contiguous()
+    )
+
+
+def linear_norm_linear_triton(
+    x, weight, bias, residual, norm_weight, eps, weight2, bias2, swiglu=False
+):
+    """`norm_linear(linear(x, weight, bias), residual, norm_weight, eps, weight2, bias2, swiglu)`
+    in two launches instead of three: the first linear adds the residual and stores r, r * norm
+    weight and per-block parts of sum(r^2) (`_linear_residual_kernel`); the second multiplies
+    each row of its fp32 sums by rstd before its bias (RMSNorm(r) * w @ W2.T = rstd * ((r * w) @
+    W2.T)). Returns (out, new residual). The new residual is bitwise the model's; out rounds r * w
+    once where the norm rounds r * rstd and then its product with w, so it differs from
+    `norm_linear`'s by bf16 roundings, not more. No host sync."""
+    if triton is None:
+        raise RuntimeError("the Triton decode linear needs `pip install triton`")
+    _check(x, weight, bias, False)
+    M, K = x.shape
+    N = weight.shape[0]
+    if residual.shape != (M, N) or norm_weight.shape != (N,):
+        raise ValueError(
+            f"residual ({M}, {N}) and norm weight ({N},) expected for x {tuple(x.shape)} and "
+            f"weight {tuple(weight.shape)}; got {tuple(residual.shape)}, "
+            f"{tuple(norm_weight.shape)}"
+        )
+    if residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
+        raise ValueError(
+            f"residual and norm weight must be x's {x.dtype}; got {residual.dtype}, "
+            f"{norm_weight.dtype}"
+        )
+    if residual.stride(-1) != 1:
+        raise ValueError("the residual needs unit stride on its last dim")
+    new_residual = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    scaled = torch.empty_like(new_residual)
+    _check(scaled, weight2, bias2, swiglu)
+    N2 = weight2.shape[0] // 2 if swiglu else weight2.shape[0]
+    out = torch.empty(M, N2, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out, new_residual
+    cfg = pick_config(M, N, K, False)
+    bm = cfg.pop("BM")
+    parts = triton.cdiv(N, cfg["BN"])
+    ss = torch.empty(parts, M, dtype=torch.float32, device=x.device)
+    line = 128 // weight.element_size()
+    _linear_residual_kernel[(parts, triton.cdiv(M, bm))](
+        x,
+        weight,
+        weight if bias is None else bias,
+        residual,
+        norm_weight.contiguous(),
+        new_residual,
+        scaled,
+        ss,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=K % cfg["BK"] == 0,
+        BM=bm,
+        DOT_FP32=_interpreting(),
+        LINE=line,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(K, line)),
+        enable_fp_fusion=False,
+        **cfg,
+        **pdl.launch_options(),
+    )
+    cfg2 = pick_config(M, N2, N, swiglu)
+    _launch(scaled, weight2, bias2, out, N2, swiglu, 0, 1, cfg2, norm=(ss, N, eps))
+    return out, new_residual
+
+
+def linear_norm_linear(x, weight, bias, residual, norm_weight, eps, weight2, bias2, swiglu=False):
+    """(linear(RMSNorm(x @ weight.T + bias + residual) * norm_weight, weight2, bias2, swiglu),
+    new residual): a layer's o_proj, residual add, norm and gate/up. Two kernels where
+    `takes_norm_between`, else `linear` and `norm_linear` (three)."""
+    if takes_norm_between(x, weight, bias, residual, norm_weight, weight2, bias2):
+        return linear_norm_linear_triton(
+            x, weight, bias, residual, norm_weight, eps, weight2, bias2, swiglu
+        )
+    return norm_linear(linear(x, weight, bias), residual, norm_weight, eps, weight2, bias2, swiglu)
 
 
 def norm_linear(x, residual, norm_weight, eps, weight, bias, swiglu: bool = False):

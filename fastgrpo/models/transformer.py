@@ -454,10 +454,11 @@ class DecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = norm1.add_and_norm(x, residual)  # (T, H) each
         out = attn.attend_packed(h, cos, sin, attend)  # (T, Hq*D)
-        x = decode_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
-        act, residual = decode_linear.norm_linear(
-            x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
-        )  # (T, I), (T, H)
+        o_proj, gate_up = attn.o_proj, mlp.gate_up
+        act, residual = decode_linear.linear_norm_linear(
+            out, o_proj.weight, o_proj.bias, residual, norm2.weight, norm2.eps,
+            gate_up.weight, gate_up.bias, swiglu=True,
+        )  # (T, I), (T, H)  # fmt: skip
         # down_proj's only reader is the next norm, which can add up split-K parts itself
         down = decode_linear.linear_to_residual(act, mlp.down_proj.weight, mlp.down_proj.bias)
         return down, residual

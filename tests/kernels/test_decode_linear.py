@@ -175,6 +175,56 @@ def test_norm_linear_is_the_norm_then_the_linear():
         assert torch.equal(out, linear_ref(h, weight, None, swiglu=True))
 
 
+def _check_norm_between(M, K, N, N2, bias, swiglu, seed, ratio):
+    x, weight, b, _ = _inputs(M, K, N, seed=seed, bias=bias, swiglu=False)
+    _, weight2, b2, _ = _inputs(M, N, N2, seed=seed + 7, bias=bias, swiglu=swiglu)
+    residual = _randn(M, N, seed=seed + 11, scale=3.0)
+    norm_weight = _randn(N, seed=seed + 12, scale=0.2) + 1
+    out, new_residual = decode_linear.linear_norm_linear_triton(
+        x, weight, b, residual, norm_weight, 1e-6, weight2, b2, swiglu
+    )
+    # the model's ops in bf16, and in float64 on the same inputs
+    y = linear_ref(x, weight, b)
+    h, _ = add_rms_norm_ref(y, residual, norm_weight, 1e-6)
+    want = linear_ref(h, weight2, b2, swiglu)
+    y64 = _exact(x, weight, b, False)
+    h64, _ = add_rms_norm_ref(y64, residual.double(), norm_weight.double(), 1e-6)
+    exact = _exact(h64, weight2, b2, swiglu)
+    assert out.shape == want.shape and new_residual.shape == residual.shape
+    own = _relative_error(want, exact)
+    assert _relative_error(out, exact) <= ratio * own + 1e-6, (_relative_error(out, exact), own)
+    # the residual add is the model's, after the same sums as the decode linear's: bitwise on a
+    # GPU; one bf16 ulp on the interpreter, whose fp32 -> bf16 casts truncate
+    _, want_residual = add_rms_norm_ref(linear_triton(x, weight, b), residual, norm_weight, 1e-6)
+    gap = (new_residual.double() - want_residual.double()).abs()
+    ulp = torch.finfo(BF16).eps * want_residual.double().abs()
+    assert bool((gap == 0).all()) if ON_GPU else bool((gap <= ulp).all())
+
+
+@pytest.mark.parametrize(
+    "M,K,N,N2,bias,swiglu",
+    [(5, 48, 40, 24, True, True), (37, 72, 56, 32, False, False), (1, 16, 16, 16, True, False)],
+    ids=["5-rows-bias-swiglu", "37-rows", "1-row"],
+)
+def test_norm_split_between_two_linears_is_as_accurate_as_the_norm_kernel_between_them(
+    M, K, N, N2, bias, swiglu
+):
+    _check_norm_between(M, K, N, N2, bias, swiglu, seed=M + K, ratio=1.5 if ON_GPU else 3.0)
+
+
+def test_norm_between_launcher_says_what_it_cannot_take():
+    x, w = _randn(4, 32, seed=0), _randn(16, 32, seed=1)
+    w2, norm_weight = _randn(8, 16, seed=2), _randn(16, seed=3)
+    with pytest.raises(ValueError, match="residual"):
+        decode_linear.linear_norm_linear_triton(
+            x, w, None, _randn(4, 15, seed=4), norm_weight, 1e-6, w2, None
+        )
+    with pytest.raises(ValueError, match="dtype|bfloat16"):
+        decode_linear.linear_norm_linear_triton(
+            x, w, None, _randn(4, 16, seed=4).float(), norm_weight, 1e-6, w2, None
+        )
+
+
 # ----------------------------------------------------------------------------- RoPE + KV write
 
 
@@ -344,6 +394,13 @@ def decode_kernels_here(monkeypatch):
         lambda x, w, b: b is None and x.dtype == BF16 and x.shape[0] <= decode_linear.MAX_ROWS,
     )
     monkeypatch.setattr(decode_linear, "linear_split_sums", counted_split)
+    norm_between = decode_linear.linear_norm_linear_triton
+
+    def counted_norm_between(*args, **kwargs):
+        calls.append("o_proj+norm+gate_up")
+        return norm_between(*args, **kwargs)
+
+    monkeypatch.setattr(decode_linear, "linear_norm_linear_triton", counted_norm_between)
     return calls
 
 
@@ -366,8 +423,9 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
         assert not decode_kernels_here
         fused = model(ids, positions, attend, fused_ops=True)
         want = exact(ids, positions, attend)
-    # per layer: q/k/v, o_proj, gate/up + SiLU (the one with swiglu), down_proj as split sums
-    assert decode_kernels_here == [False, False, True, "split"] * LLAMA_LIKE.num_layers
+    # per layer: q/k/v, o_proj with the norm split into its epilogue and gate/up's, down_proj
+    per_layer = [False, "o_proj+norm+gate_up", "split"]
+    assert decode_kernels_here == per_layer * LLAMA_LIKE.num_layers
     own = (plain.double() - want).abs()
     err = (fused.double() - want).abs()
     assert err.mean() <= 1.5 * own.mean() and err.max() <= 2 * own.max()
@@ -479,3 +537,14 @@ def test_bf16_qkv_rope_write_at_the_half_b_shape_is_bitwise_the_two_kernels(M):
     comp_k = torch.zeros(M, 4, 2, 64, dtype=BF16, device=DEVICE)
     assert decode_linear.takes_qkv_rope(x, weight, weight[:, 0], cos, comp_k, comp_k)
     _check_qkv_rope_against_two_kernels(M, 896, 14, 2, 64, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 64])
+def test_bf16_o_proj_norm_gate_up_at_the_half_b_shape_is_as_accurate_as_the_norm_kernel(M):
+    x, w, residual = _randn(M, 896, seed=0), _randn(896, 896, seed=1), _randn(M, 896, seed=2)
+    assert decode_linear.takes_norm_between(
+        x, w, None, residual, _randn(896, seed=3), _randn(9728, 896, seed=4), None
+    )
+    _check_norm_between(M, 896, 896, 4864, False, True, seed=M, ratio=1.5)
