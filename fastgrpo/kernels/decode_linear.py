@@ -400,8 +400,9 @@ if triton is not None:
             tl.store(at, y1.to(dtype), mask=ok)
             tl.store(at + HALF, y2.to(dtype), mask=ok)
         else:
-            at = cv_ptr + cache_row + (cols - QCOLS - KCOLS)[None, :]
-            tl.store(at, out, mask=row_ok[:, None] & col_ok[None, :])
+            # a name of its own: the GPU compiler wants a variable to keep one type across branches
+            v_at = cv_ptr + cache_row + (cols - QCOLS - KCOLS)[None, :]
+            tl.store(v_at, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def pick_config(M: int, N: int, K: int, swiglu: bool) -> dict:
