@@ -173,6 +173,7 @@ if triton is not None:
         inv_h=1.0,  # fp32(1 / H) of the norm
         eps=0.0,
         NORM_ROWS: tl.constexpr = False,  # x is r * w of a norm's rows r: scale rows by rstd
+        PARTS_PAD: tl.constexpr = 1,  # a power of two >= n_parts
     ):
         pdl.start(PDL)
         pid_n = tl.program_id(0)
@@ -211,9 +212,10 @@ if triton is not None:
             PREFETCH_LINES,
         )
         if NORM_ROWS:  # RMSNorm(r) * w @ W.T = rstd * ((r * w) @ W.T), one rstd per row
-            ss = tl.zeros((BM,), dtype=tl.float32)
-            for p in range(0, n_parts):
-                ss += tl.load(ss_ptr + p * M + rows, mask=row_ok, other=0.0)
+            parts = tl.arange(0, PARTS_PAD)
+            ss_at = ss_ptr + parts[:, None] * M + rows[None, :]  # (PARTS_PAD, BM), one load
+            ss_ok = (parts < n_parts)[:, None] & row_ok[None, :]
+            ss = tl.sum(tl.load(ss_at, mask=ss_ok, other=0.0), axis=0)
             rstd = _rsqrt(ss * inv_h + eps, LIBDEVICE)[:, None]
             acc = acc * rstd
             acc_up = acc_up * rstd
@@ -522,7 +524,15 @@ def _norm_rows_args(norm) -> dict:
     if norm is None:
         return {}
     ss, H, eps = norm
-    return dict(ss_ptr=ss, n_parts=ss.shape[0], inv_h=1.0 / H, eps=eps, NORM_ROWS=True)
+    parts = ss.shape[0]
+    return dict(
+        ss_ptr=ss,
+        n_parts=parts,
+        inv_h=1.0 / H,
+        eps=eps,
+        NORM_ROWS=True,
+        PARTS_PAD=triton.next_power_of_2(parts),
+    )
 
 
 def split_k_config(M: int, N: int, K: int) -> dict:
