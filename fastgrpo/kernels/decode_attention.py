@@ -311,11 +311,20 @@ def _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step) -> N
 
 
 def decode_attention_triton(
-    q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step, splits: int | None = None
+    q,
+    prompt_k,
+    prompt_v,
+    prompt_lens,
+    comp_k,
+    comp_v,
+    step,
+    splits: int | None = None,
+    blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """(B, nh, d) in q's dtype, as `decode_attention_ref`, by the Triton kernel. No host sync:
     safe to capture in a CUDA graph and replay with `step` (and `prompt_lens`) changed in place.
-    `splits` overrides the number of key splits per (row, kv head) (tests)."""
+    `splits` overrides the number of key splits per (row, kv head) (tests), `blocks` the
+    (BLOCK_N, num_warps, num_stages) of `_blocks` (tuning)."""
     if triton is None:
         raise RuntimeError("the Triton decode-attention kernel needs `pip install triton`")
     _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step)
@@ -329,7 +338,7 @@ def decode_attention_triton(
         q, prompt_k, prompt_v, comp_k, comp_v = (
             t.float() for t in (q, prompt_k, prompt_v, comp_k, comp_v)
         )
-    block_n, warps, stages = _blocks()
+    block_n, warps, stages = blocks or _blocks()
     if splits is None:
         splits = _num_splits(B, nkv, Lp + Tc, block_n, q.device)
     out = torch.empty(B, nh, d, dtype=out_dtype, device=q.device)

@@ -63,14 +63,13 @@ if triton is not None:
     def _rotate(x1, x2, c1, c2, s1, s2):
         """(lo, hi) fp32 halves of x rotated as `apply_rope` rounds: x1 * cos1 + (-x2) * sin1 and
         x2 * cos2 + x1 * sin2, each product rounded to x's dtype before the add, as torch's
-        separate kernels round it; the caller rounds the sums. The fp32 table halves c1, c2, s1
-        and s2 broadcast against x1 and x2."""
+        separate kernels round it; the caller rounds the sums."""
         dtype = x1.dtype
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        lo1 = (f1 * c1).to(dtype).to(tl.float32)
-        lo2 = (-f2 * s1).to(dtype).to(tl.float32)
-        hi1 = (f2 * c2).to(dtype).to(tl.float32)
-        hi2 = (f1 * s2).to(dtype).to(tl.float32)
+        lo1 = (f1 * c1[None, :]).to(dtype).to(tl.float32)
+        lo2 = (-f2 * s1[None, :]).to(dtype).to(tl.float32)
+        hi1 = (f2 * c2[None, :]).to(dtype).to(tl.float32)
+        hi2 = (f1 * s2[None, :]).to(dtype).to(tl.float32)
         return lo1 + lo2, hi1 + hi2
 
     @triton.jit
@@ -119,7 +118,7 @@ if triton is not None:
         x1 = tl.load(at, mask=ok, other=0.0)
         x2 = tl.load(at + HALF, mask=ok, other=0.0)
         dtype = x1.dtype
-        lo, hi = _rotate(x1, x2, c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+        lo, hi = _rotate(x1, x2, c1, c2, s1, s2)
         tl.store(at, lo.to(dtype), mask=ok)
         tl.store(at + HALF, hi.to(dtype), mask=ok)
         if COPY:
@@ -214,7 +213,7 @@ if triton is not None:
         if BACKWARD:
             lo, hi = _rotate_back(x1, x2, c1, c2, s1, s2)
         else:
-            lo, hi = _rotate(x1, x2, c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+            lo, hi = _rotate(x1, x2, c1, c2, s1, s2)
         to = dst + heads[:, None].to(tl.int64) * (2 * HALF) + offs[None, :]
         tl.store(to, lo.to(x1.dtype), mask=ok)
         tl.store(to + HALF, hi.to(x1.dtype), mask=ok)

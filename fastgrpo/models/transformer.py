@@ -336,19 +336,6 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return self.o_proj(self.attend_projected(q, k, v, cos, sin, attend, fused))  # (T, H)
 
-    def attend_packed(self, h, cos, sin, attend: Attend) -> torch.Tensor:
-        """Attention output (T, Hq*D), before o_proj, of normed h (T, H) through the packed q/k/v
-        projection, on the fused path. An `attend` that keeps a KV cache may project, rotate
-        and store in one kernel (`project_rope_and_attend`); Qwen3's q/k norm, which sits between
-        the projection and the rotation, keeps them apart."""
-        project = getattr(attend, "project_rope_and_attend", None)
-        if project is not None and self.q_norm is None:
-            out = project(self.layer_index, h, self.qkv, cos, sin, self.num_heads)  # (T, Hq, D)
-            return out.reshape(h.shape[0], self.num_heads * self.head_dim)
-        qkv = decode_linear.linear(h, self.qkv.weight, self.qkv.bias)  # (T, (Hq + 2 Hkv) * D)
-        q, k, v = qkv.split(self.qkv.sizes, dim=-1)
-        return self.attend_projected(q, k, v, cos, sin, attend, fused=True)
-
     def attend_projected(self, q, k, v, cos, sin, attend: Attend, fused: bool) -> torch.Tensor:
         """Attention output (T, Hq*D), before o_proj, of projected q (T, Hq*D), k and v
         (T, Hkv*D). On the fused path an `attend` that keeps a KV cache may rotate and store
@@ -447,18 +434,19 @@ class DecoderLayer(nn.Module):
     def forward_packed(self, x, residual, cos, sin, attend: Attend):
         """`forward_fused` over packed projections: residual add + norm, one q/k/v GEMM, o_proj,
         residual add + norm, one gate/up GEMM with SiLU * up, down_proj. At decode batch sizes
-        `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue, the
-        RoPE and KV-cache write in q/k/v's when the decode cache asks) and may return down_proj
-        as split-K parts (`SplitSums`) for the next norm to add up."""
+        `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue) and
+        may return down_proj as split-K parts (`SplitSums`) for the next norm to add up."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        h, residual = norm1.add_and_norm(x, residual)  # (T, H) each
-        out = attn.attend_packed(h, cos, sin, attend)  # (T, Hq*D)
-        o_proj, gate_up = attn.o_proj, mlp.gate_up
-        act, residual = decode_linear.linear_norm_linear(
-            out, o_proj.weight, o_proj.bias, residual, norm2.weight, norm2.eps,
-            gate_up.weight, gate_up.bias, swiglu=True,
-        )  # (T, I), (T, H)  # fmt: skip
+        qkv, residual = decode_linear.norm_linear(
+            x, residual, norm1.weight, norm1.eps, attn.qkv.weight, attn.qkv.bias
+        )  # (T, (Hq + 2 Hkv) * D), (T, H)
+        q, k, v = qkv.split(attn.qkv.sizes, dim=-1)
+        out = attn.attend_projected(q, k, v, cos, sin, attend, fused=True)  # (T, Hq*D)
+        x = decode_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
+        act, residual = decode_linear.norm_linear(
+            x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
+        )  # (T, I), (T, H)
         # down_proj's only reader is the next norm, which can add up split-K parts itself
         down = decode_linear.linear_to_residual(act, mlp.down_proj.weight, mlp.down_proj.bias)
         return down, residual

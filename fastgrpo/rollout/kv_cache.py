@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.decode_attention import decode_attention
 from fastgrpo.kernels.kv_write import write_kv
 from fastgrpo.kernels.rope import rope_write_kv_
@@ -87,17 +86,6 @@ class DecodeAttention:
         """As __call__ for q and k not yet rotated: the rotation and the KV write are one kernel."""
         c = self.cache
         rope_write_kv_(q, k, v, cos, sin, c.comp_k[layer], c.comp_v[layer], self.slot)
-        return self._attend(layer, q)
-
-    def project_rope_and_attend(self, layer: int, h, qkv, cos, sin, num_heads: int):
-        """As `rope_and_attend` for normed hidden states h (B, H) and the packed q/k/v projection
-        `qkv` (`PackedLinears`): projection, rotation and KV write are one kernel where
-        `decode_linear.takes_qkv_rope`."""
-        c = self.cache
-        comp_k, comp_v = c.comp_k[layer], c.comp_v[layer]
-        q = decode_linear.qkv_rope_write(
-            h, qkv.weight, qkv.bias, cos, sin, comp_k, comp_v, self.slot, num_heads, comp_k.shape[2]
-        )  # (B, Hq, D)
         return self._attend(layer, q)
 
     def _attend(self, layer: int, q):

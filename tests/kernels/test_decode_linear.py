@@ -12,8 +12,6 @@ offset or weight half gives errors of order 1, far above either bound.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
@@ -175,56 +173,6 @@ def test_norm_linear_is_the_norm_then_the_linear():
         assert torch.equal(out, linear_ref(h, weight, None, swiglu=True))
 
 
-def _check_norm_between(M, K, N, N2, bias, swiglu, seed, ratio):
-    x, weight, b, _ = _inputs(M, K, N, seed=seed, bias=bias, swiglu=False)
-    _, weight2, b2, _ = _inputs(M, N, N2, seed=seed + 7, bias=bias, swiglu=swiglu)
-    residual = _randn(M, N, seed=seed + 11, scale=3.0)
-    norm_weight = _randn(N, seed=seed + 12, scale=0.2) + 1
-    out, new_residual = decode_linear.linear_norm_linear_triton(
-        x, weight, b, residual, norm_weight, 1e-6, weight2, b2, swiglu
-    )
-    # the model's ops in bf16, and in float64 on the same inputs
-    y = linear_ref(x, weight, b)
-    h, _ = add_rms_norm_ref(y, residual, norm_weight, 1e-6)
-    want = linear_ref(h, weight2, b2, swiglu)
-    y64 = _exact(x, weight, b, False)
-    h64, _ = add_rms_norm_ref(y64, residual.double(), norm_weight.double(), 1e-6)
-    exact = _exact(h64, weight2, b2, swiglu)
-    assert out.shape == want.shape and new_residual.shape == residual.shape
-    own = _relative_error(want, exact)
-    assert _relative_error(out, exact) <= ratio * own + 1e-6, (_relative_error(out, exact), own)
-    # the residual add is the model's, after the same sums as the decode linear's: bitwise on a
-    # GPU; one bf16 ulp on the interpreter, whose fp32 -> bf16 casts truncate
-    _, want_residual = add_rms_norm_ref(linear_triton(x, weight, b), residual, norm_weight, 1e-6)
-    gap = (new_residual.double() - want_residual.double()).abs()
-    ulp = torch.finfo(BF16).eps * want_residual.double().abs()
-    assert bool((gap == 0).all()) if ON_GPU else bool((gap <= ulp).all())
-
-
-@pytest.mark.parametrize(
-    "M,K,N,N2,bias,swiglu",
-    [(5, 48, 40, 24, True, True), (37, 72, 56, 32, False, False), (1, 16, 16, 16, True, False)],
-    ids=["5-rows-bias-swiglu", "37-rows", "1-row"],
-)
-def test_norm_split_between_two_linears_is_as_accurate_as_the_norm_kernel_between_them(
-    M, K, N, N2, bias, swiglu
-):
-    _check_norm_between(M, K, N, N2, bias, swiglu, seed=M + K, ratio=1.5 if ON_GPU else 3.0)
-
-
-def test_norm_between_launcher_says_what_it_cannot_take():
-    x, w = _randn(4, 32, seed=0), _randn(16, 32, seed=1)
-    w2, norm_weight = _randn(8, 16, seed=2), _randn(16, seed=3)
-    with pytest.raises(ValueError, match="residual"):
-        decode_linear.linear_norm_linear_triton(
-            x, w, None, _randn(4, 15, seed=4), norm_weight, 1e-6, w2, None
-        )
-    with pytest.raises(ValueError, match="dtype|bfloat16"):
-        decode_linear.linear_norm_linear_triton(
-            x, w, None, _randn(4, 16, seed=4).float(), norm_weight, 1e-6, w2, None
-        )
-
-
 # ----------------------------------------------------------------------------- RoPE + KV write
 
 
@@ -258,63 +206,6 @@ def test_rope_and_kv_write_in_one_kernel_is_rope_then_the_write(dtype):
     assert torch.equal(got_qkv, want_qkv)  # q and k rotated in place, v untouched
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert got_k[:, 4].abs().sum() > 0 and got_k[:, :4].abs().sum() == 0  # only slot 4 written
-
-
-def _rope_tables(M, d, dtype, seed):
-    positions = torch.randint(0, 500, (M,), generator=torch.Generator().manual_seed(seed))
-    inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    return RotaryTable(inv_freq).lookup(positions.to(DEVICE), 512, dtype)
-
-
-def _qkv_rope_case(M, K, nh, nkv, d, bias, seed):
-    Tc = 6
-    x = _randn(M, K, seed=seed)
-    weight = _randn((nh + 2 * nkv) * d, K, seed=seed + 1, scale=K**-0.5)
-    b = _randn(weight.shape[0], seed=seed + 2, scale=0.5) if bias else None
-    cos, sin = _rope_tables(M, d, BF16, seed)
-    return x, weight, b, cos, sin, _cache(M, Tc, nkv, d, BF16), torch.tensor(3, device=DEVICE)
-
-
-@pytest.mark.parametrize(
-    "M,K,nh,nkv,d,bias",
-    [(5, 48, 6, 2, 16, False), (37, 72, 3, 1, 32, True), (1, 16, 2, 2, 16, True)],
-    ids=["5x48-d16", "37x72-d32-bias", "1x16-mha-bias"],
-)
-def test_qkv_with_rope_and_cache_write_in_the_epilogue_is_the_linear_then_the_rope_kernel(
-    M, K, nh, nkv, d, bias
-):
-    _check_qkv_rope_against_two_kernels(M, K, nh, nkv, d, bias)
-
-
-def _check_qkv_rope_against_two_kernels(M, K, nh, nkv, d, bias):
-    x, weight, b, cos, sin, (got_k, got_v), slot = _qkv_rope_case(M, K, nh, nkv, d, bias, K)
-    want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
-    # the two kernels it replaces: the decode linear, then RoPE + KV write in one launch
-    q, k, v = linear_triton(x, weight, b).split([nh * d, nkv * d, nkv * d], dim=-1)
-    q, k, v = q.view(M, nh, d), k.view(M, nkv, d), v.view(M, nkv, d)
-    rope.rope_write_kv_triton(q, k, v, cos, sin, want_k, want_v, slot)
-    got_q = decode_linear.qkv_rope_write_triton(x, weight, b, cos, sin, got_k, got_v, slot, nh, nkv)
-    # same sums in the same order and the same roundings: bitwise, on the interpreter as on a GPU
-    for name, got, want in (("q", got_q, q), ("k", got_k, want_k), ("v", got_v, want_v)):
-        gap = (got.float() - want.float()).abs()
-        assert torch.equal(got, want), f"{name}: {int((gap > 0).sum())} differ, max {gap.max()}"
-    assert got_k[:, 3].abs().sum() > 0 and got_v[:, 3].abs().sum() > 0
-    assert got_k[:, :3].abs().sum() == 0 and got_v[:, 4:].abs().sum() == 0  # only slot 3
-    # and the model's ops (reference), as accurate as the linear is
-    ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
-    ref_q = decode_linear.qkv_rope_write_ref(x, weight, b, cos, sin, ref_k, ref_v, slot, nh, nkv)
-    scale = ref_q.double().abs().max()
-    assert (got_q.double() - ref_q.double()).abs().max() <= 0.05 * scale
-
-
-def test_qkv_rope_launcher_says_what_it_cannot_take():
-    x, weight, b, cos, sin, (ck, cv), slot = _qkv_rope_case(4, 32, 2, 1, 16, False, 0)
-    args = (x, weight, b, cos, sin, ck, cv, slot)
-    with pytest.raises(ValueError, match="packed weight"):
-        decode_linear.qkv_rope_write_triton(*args, 3, 1)  # 3 q heads do not fit the weight
-    with pytest.raises(ValueError, match="multiple of"):
-        x8, w8, _, c8, s8, (k8, v8), _ = _qkv_rope_case(4, 32, 2, 1, 8, False, 0)
-        decode_linear.qkv_rope_write_triton(x8, w8, None, c8, s8, k8, v8, slot, 2, 1)
 
 
 def test_decode_attention_rotating_and_storing_in_one_call_equals_the_two_calls():
@@ -395,13 +286,6 @@ def decode_kernels_here(monkeypatch):
         lambda x, w, b: b is None and x.dtype == BF16 and x.shape[0] <= decode_linear.MAX_ROWS,
     )
     monkeypatch.setattr(decode_linear, "linear_split_sums", counted_split)
-    norm_between = decode_linear.linear_norm_linear_triton
-
-    def counted_norm_between(*args, **kwargs):
-        calls.append("o_proj+norm+gate_up")
-        return norm_between(*args, **kwargs)
-
-    monkeypatch.setattr(decode_linear, "linear_norm_linear_triton", counted_norm_between)
     return calls
 
 
@@ -424,9 +308,8 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
         assert not decode_kernels_here
         fused = model(ids, positions, attend, fused_ops=True)
         want = exact(ids, positions, attend)
-    # per layer: q/k/v, o_proj with the norm split into its epilogue and gate/up's, down_proj
-    per_layer = [False, "o_proj+norm+gate_up", "split"]
-    assert decode_kernels_here == per_layer * LLAMA_LIKE.num_layers
+    # per layer: q/k/v, o_proj, gate/up + SiLU (the one with swiglu), down_proj as split sums
+    assert decode_kernels_here == [False, False, True, "split"] * LLAMA_LIKE.num_layers
     own = (plain.double() - want).abs()
     err = (fused.double() - want).abs()
     assert err.mean() <= 1.5 * own.mean() and err.max() <= 2 * own.max()
@@ -438,48 +321,6 @@ def test_unpacked_model_keeps_one_gemm_per_projection(decode_kernels_here):
     with torch.no_grad():
         model(ids, positions, attend, fused_ops=True)
     assert not decode_kernels_here
-
-
-def test_decode_step_of_the_model_projects_rotates_and_stores_in_one_kernel(
-    decode_kernels_here, monkeypatch
-):
-    config = dataclasses.replace(LLAMA_LIKE, num_heads=3, num_kv_heads=1, head_dim=16)
-    model = random_model(config, BF16)
-    model.pack_projections()
-    B, Lp, steps = 4, 5, 3
-    launches = []
-    launcher = decode_linear.qkv_rope_write_triton
-    monkeypatch.setattr(
-        decode_linear,
-        "qkv_rope_write_triton",
-        lambda *args: launches.append(args[0].shape) or launcher(*args),
-    )
-    outs = []
-    for one_kernel in (True, False):
-        if not one_kernel:  # the q/k/v linear, then the RoPE + KV write (its reference here)
-            monkeypatch.setattr(decode_linear, "takes_qkv_rope", lambda *args: False)
-        cache = KVCache.allocate(config, B, Lp, B, steps, BF16, DEVICE)
-        for layer in range(config.num_layers):
-            cache.prompt_k[layer].copy_(_randn(B, Lp, 1, 16, seed=layer))
-            cache.prompt_v[layer].copy_(_randn(B, Lp, 1, 16, seed=layer + 9))
-        cache.prompt_lens.copy_(torch.tensor([5, 1, 3, 4]))
-        attend = DecodeAttention(cache, torch.tensor(1, device=DEVICE))
-        tokens = torch.tensor([3, 50, 7, 96], device=DEVICE)
-        positions = cache.prompt_lens + 1
-        with torch.no_grad():
-            hidden = model(tokens, positions, attend, position_bound=16, fused_ops=True)
-        outs.append((hidden, cache.comp_k, cache.comp_v))
-    assert launches == [(B, config.hidden_size)] * config.num_layers  # one per layer, then none
-    (hidden, comp_k, comp_v), (want_hidden, want_k, want_v) = outs
-    for layer in range(config.num_layers):
-        assert comp_k[layer][:, 1].abs().sum() > 0 and comp_k[layer][:, 0].abs().sum() == 0
-        # the rotation's roundings: bitwise on a GPU, within a few bf16 ulps on the interpreter
-        for got, want in ((comp_k[layer], want_k[layer]), (comp_v[layer], want_v[layer])):
-            assert (got.double() - want.double()).abs().max() <= 0.02 * want.double().abs().max()
-    gap = (hidden.double() - want_hidden.double()).abs().max()
-    assert gap <= 0.03 * want_hidden.double().abs().max()
-    if ON_GPU:
-        assert torch.equal(hidden, want_hidden)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -527,25 +368,3 @@ def test_bf16_split_sums_at_real_shapes_feed_the_norm_as_the_product_would(K, N,
     assert (normed.double() - want_normed.double()).abs().max() <= (
         2 * torch.finfo(BF16).eps * want_normed.double().abs().max()
     )
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 64])
-def test_bf16_qkv_rope_write_at_the_half_b_shape_is_bitwise_the_two_kernels(M):
-    x = _randn(M, 896, seed=0)
-    weight, cos = _randn(1152, 896, seed=1), _randn(M, 64, seed=2)
-    comp_k = torch.zeros(M, 4, 2, 64, dtype=BF16, device=DEVICE)
-    assert decode_linear.takes_qkv_rope(x, weight, weight[:, 0], cos, comp_k, comp_k)
-    _check_qkv_rope_against_two_kernels(M, 896, 14, 2, 64, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 64])
-def test_bf16_o_proj_norm_gate_up_at_the_half_b_shape_is_as_accurate_as_the_norm_kernel(M):
-    x, w, residual = _randn(M, 896, seed=0), _randn(896, 896, seed=1), _randn(M, 896, seed=2)
-    assert decode_linear.takes_norm_between(
-        x, w, None, residual, _randn(896, seed=3), _randn(9728, 896, seed=4), None
-    )
-    _check_norm_between(M, 896, 896, 4864, False, True, seed=M, ratio=1.5)
