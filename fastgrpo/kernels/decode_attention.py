@@ -48,6 +48,8 @@ USE_TRITON = os.environ.get("FASTGRPO_DECODE_ATTENTION", "triton") != "ref"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
 SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
+# FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
+BLOCKS = tuple(int(v) for v in os.environ.get("FASTGRPO_ATTENTION_BLOCKS", "").split(",") if v)
 
 
 def decode_attention_ref(
@@ -247,6 +249,8 @@ def _blocks() -> tuple[int, int, int]:
     block keeps a [64, 128] bf16 tile of keys and one of values (32 KB) in flight per stage."""
     if _interpreting():
         return 16, 4, 1
+    if len(BLOCKS) == 3:
+        return BLOCKS
     return 64, 4, 2
 
 
