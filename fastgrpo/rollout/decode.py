@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastgrpo.kernels.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
@@ -32,8 +33,8 @@ class DecodeState:
     lengths: torch.Tensor  # (B,) int64
     finished: torch.Tensor  # (B,) bool
     last_token: torch.Tensor  # (B,) int64: the token fed to the next step
-    step: torch.Tensor  # () int64: index of the token being sampled
-    slot: torch.Tensor  # () int64: completion cache slot of the token being fed
+    step: torch.Tensor  # () int64: index of the next token to sample (its column in tokens)
+    slot: torch.Tensor  # () int64: completion cache slot of the next token fed
     pad_id: int
 
     @classmethod
@@ -55,15 +56,15 @@ class DecodeState:
         for t in (self.logp, self.lengths, self.finished, self.last_token, self.step, self.slot):
             t.zero_()
 
-    def record(self, token, logp, stop_ids) -> None:
-        """Keep this step's samples for rows still running; rows that sample a stop token end."""
-        alive = ~self.finished  # (B,)
-        column = self.step.view(1)
-        self.tokens.index_copy_(1, column, torch.where(alive, token, self.pad_id).unsqueeze(1))
-        self.logp.index_copy_(1, column, torch.where(alive, logp, 0.0).unsqueeze(1))
-        self.lengths += alive
-        self.finished |= alive & torch.isin(token, stop_ids)
-        self.last_token.copy_(token)
+    def record(self, token, logp, stop_ids, fed: bool) -> None:
+        """Keep this step's samples for rows still running; rows that sample a stop token end.
+        Then advance `step`, and `slot` when this step fed a token into the cache (`fed`; the
+        prefill's first sample is fed by the first decode step, into slot 0). One kernel on CUDA
+        (`kernels.decode_record`)."""
+        record_step(
+            self.tokens, self.logp, self.lengths, self.finished, self.last_token, self.step,
+            self.slot, token, logp, stop_ids, self.pad_id, fed,
+        )  # fmt: skip
 
 
 class WaveBuffers:
@@ -132,7 +133,7 @@ class WaveBuffers:
         logits = model.logits(hidden[(cu[1:] - 1).long()])  # (P, V)
         logits = logits.repeat_interleave(self.group, 0)  # (B, V)
         s = self.state
-        s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids)
+        s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=False)
 
     def step(self) -> None:
         """One decode step: replayed from the graph on a GPU (captured on first use)."""
@@ -148,10 +149,8 @@ class WaveBuffers:
         hidden = model(
             s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
         )
-        s.slot += 1
-        s.step += 1
         logits = model.logits(hidden)  # (B, V)
-        s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids)
+        s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=True)
 
     def _inputs(self) -> tuple:
         """Addresses the graph reads beyond its own buffers: parameters and the RoPE table. Checked

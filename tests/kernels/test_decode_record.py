@@ -1,0 +1,62 @@
+"""The decode step's bookkeeping kernel (`kernels.decode_record`) against its torch reference:
+tokens and log-probs at the step's column, pad and 0 for finished rows, lengths, stop tokens ending
+rows (several stop ids, none), the next input, and the counters advancing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICE, NEEDS_TRITON
+
+from fastgrpo.kernels import decode_record
+
+pytestmark = NEEDS_TRITON
+
+
+def _state(B, T, seed):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (B, T), generator=gen)
+    logp = -torch.rand(B, T, generator=gen)
+    lengths = torch.randint(0, T, (B,), generator=gen)
+    finished = torch.rand(B, generator=gen) < 0.3
+    last = torch.randint(0, 50, (B,), generator=gen)
+    token = torch.randint(0, 12, (B,), generator=gen)  # small ids: many hit the stop ids
+    token_logp = -torch.rand(B, generator=gen)
+    state = [tokens, logp, lengths, finished, last, torch.tensor(2), torch.tensor(5)]
+    return [t.to(DEVICE) for t in state], token.to(DEVICE), token_logp.to(DEVICE)
+
+
+@pytest.mark.parametrize("B,block", [(37, 16), (5, 1024), (1, 1024)], ids=["3-blocks", "5", "1"])
+@pytest.mark.parametrize("stop", [[3, 7], [], [11]], ids=["two-stops", "no-stop", "one-stop"])
+@pytest.mark.parametrize("fed", [True, False], ids=["fed", "prefill"])
+def test_record_kernel_is_the_torch_ops(B, block, stop, fed, monkeypatch):
+    monkeypatch.setattr(decode_record, "BLOCK_ROWS", block)
+    stop_ids = torch.tensor(stop, dtype=torch.int64, device=DEVICE)
+    want, token, token_logp = _state(B, 6, seed=B + len(stop))
+    if stop:  # row 0 is running and samples a stop token
+        token[0], want[3][0] = stop[-1], False
+    was_finished = want[3].clone()
+    got = [t.clone() for t in want]
+    decode_record.record_step_ref(*want, token, token_logp, stop_ids, 0, fed)
+    decode_record.record_step_triton(*got, token, token_logp, stop_ids, 0, fed)
+    for name, g, w in zip(
+        ["tokens", "logp", "lengths", "finished", "last", "step", "slot"], got, want
+    ):
+        assert torch.equal(g, w), name
+    step, slot = got[5], got[6]
+    assert int(step) == 3 and int(slot) == (6 if fed else 5)
+    assert bool(got[3][0]) == bool(stop)  # row 0 ended by its stop token, if there are stops
+    assert int(got[0][0, 2]) == int(token[0])  # a running row keeps its sample at column 2
+    # rows finished before this step get the pad id and log-prob 0
+    assert bool((got[0][was_finished, 2] == 0).all()) and bool((got[1][was_finished, 2] == 0).all())
+
+
+def test_record_launcher_says_what_it_cannot_take():
+    state, token, token_logp = _state(4, 6, seed=0)
+    stop_ids = torch.tensor([1], device=DEVICE)
+    with pytest.raises(ValueError, match="per-row"):
+        decode_record.record_step_triton(*state, token[:3], token_logp, stop_ids, 0, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        bad = list(state)
+        bad[0] = state[0].t().contiguous().t()
+        decode_record.record_step_triton(*bad, token, token_logp, stop_ids, 0, True)
