@@ -285,20 +285,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="workload A only")
     parser.add_argument("--no-hf", action="store_true", help="leave out HF generate")
+    parser.add_argument(
+        "--only", nargs="+", choices="ABCD", help="these workloads only (no agreement check)"
+    )
     args = parser.parse_args()
     with_hf = not args.no_hf
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    results = logp_agreement()
-    results += decode_rows("0.5B", 64, 128, 256, bandwidth, "A", peers=True, with_hf=with_hf)
-    if not args.quick:
-        for workload in (
-            lambda: decode_rows("0.5B", 256, 256, 1024, bandwidth, "B"),
-            lambda: decode_rows("7B", 64, 256, 512, bandwidth, "C"),
-            lambda: whole_rollout(with_hf),
-        ):
-            torch.cuda.empty_cache()  # the previous workload's model is gone
-            results += workload()
+    workloads = {
+        "A": lambda: decode_rows(
+            "0.5B", 64, 128, 256, bandwidth, "A", peers=not args.only, with_hf=with_hf
+        ),
+        "B": lambda: decode_rows("0.5B", 256, 256, 1024, bandwidth, "B"),
+        "C": lambda: decode_rows("7B", 64, 256, 512, bandwidth, "C"),
+        "D": lambda: whole_rollout(with_hf),
+    }
+    chosen = args.only or (["A"] if args.quick else list(workloads))
+    results = [] if args.only else logp_agreement()
+    for name in chosen:
+        torch.cuda.empty_cache()  # the previous workload's model is gone
+        results += workloads[name]()
     print_result_line("rollout", results, copy_bandwidth_tb_s=bandwidth / 1e12)
 
 

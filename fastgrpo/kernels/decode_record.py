@@ -20,6 +20,8 @@ Reference: `record_step_ref`, the torch ops, which is also the CPU path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fastgrpo.kernels import pdl
@@ -29,6 +31,8 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_ROWS = 1024
+# FASTGRPO_FUSED_RECORD=0 keeps the torch ops on CUDA too (to compare)
+ENABLED = os.environ.get("FASTGRPO_FUSED_RECORD", "1") != "0"
 
 
 def record_step_ref(
@@ -156,6 +160,6 @@ def record_step(
 ) -> None:  # fmt: skip
     """The kernel on CUDA, else the reference."""
     args = (tokens, logp, lengths, finished, last_token, step, slot, token, token_logp, stop_ids)
-    if triton is not None and tokens.is_cuda:
+    if ENABLED and triton is not None and tokens.is_cuda:
         return record_step_triton(*args, pad_id, advance_slot)
     return record_step_ref(*args, pad_id, advance_slot)
