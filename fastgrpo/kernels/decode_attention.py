@@ -122,27 +122,6 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _prefetch_keys(
-        k_base,
-        v_base,
-        start,
-        stop,
-        stride_n,
-        BLOCK_N: tl.constexpr,
-        LINE: tl.constexpr,  # cache elements per 128-byte line
-        ROW_LINES: tl.constexpr,  # lines per key of one kv head
-        PDL: tl.constexpr,
-    ):
-        """Ask L2 for the keys and values [start, stop) of one kv head (`pdl.prefetch_l2`)."""
-        offs_n = tl.arange(0, BLOCK_N)
-        line_at = (tl.arange(0, ROW_LINES) * LINE)[None, :]
-        for block in range(start, stop, BLOCK_N):
-            keys = tl.minimum(block + offs_n, stop - 1)  # past the end: the last key again
-            at = keys[:, None] * stride_n + line_at  # (BLOCK_N, ROW_LINES)
-            pdl.prefetch_l2(k_base + at, PDL)
-            pdl.prefetch_l2(v_base + at, PDL)
-
-    @triton.jit
     def _decode_attention_kernel(
         q_ptr,  # (B, nh, D), unit stride on D
         pk_ptr,
@@ -168,63 +147,31 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        LINE: tl.constexpr,  # cache elements per 128-byte line
-        ROW_LINES: tl.constexpr,  # lines per key of one kv head (D / LINE, at least 1)
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         pdl.start(PDL)
+        pdl.wait(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         n_splits = tl.num_programs(2)
         prompt = b // G
-        # the prompt lengths and the step are written before the step's first kernel, by plain
-        # launches that finished before it: safe to read before the wait
-        n_prompt = tl.minimum(tl.load(lens_ptr + prompt).to(tl.int64), Lp)
-        n_comp = tl.minimum(tl.load(step_ptr).to(tl.int64) + 1, Tc)
-        # this split's share of each part, whole blocks; split 0 always holds completion key 0
-        chunk_p = tl.cdiv(tl.cdiv(n_prompt, n_splits), BLOCK_N) * BLOCK_N
-        chunk_c = tl.cdiv(tl.cdiv(n_comp, n_splits), BLOCK_N) * BLOCK_N
-        row_stride = NKV * D
-        prompt_at = (prompt * Lp * NKV + kvh) * D
-        comp_at = (b * Tc * NKV + kvh) * D
-        if PDL:  # the caches' lines into L2 while the previous kernel finishes; the previous
-            # kernel writes this step's key and value, and L2 is where its writes land, so a line
-            # fetched early is updated there before the loads after the wait read it
-            p_start, p_stop = split * chunk_p, tl.minimum((split + 1) * chunk_p, n_prompt)
-            c_start, c_stop = split * chunk_c, tl.minimum((split + 1) * chunk_c, n_comp)
-            _prefetch_keys(
-                pk_ptr + prompt_at,
-                pv_ptr + prompt_at,
-                p_start,
-                p_stop,
-                row_stride,
-                BLOCK_N,
-                LINE,
-                ROW_LINES,
-                PDL,
-            )
-            _prefetch_keys(
-                ck_ptr + comp_at,
-                cv_ptr + comp_at,
-                c_start,
-                c_stop,
-                row_stride,
-                BLOCK_N,
-                LINE,
-                ROW_LINES,
-                PDL,
-            )
-        pdl.wait(PDL)
         heads = kvh * REP + tl.arange(0, REP_PAD)  # (REP_PAD,) query heads of this kv head
         head_ok = tl.arange(0, REP_PAD) < REP
         offs_d = tl.arange(0, D)
         q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_at, mask=head_ok[:, None], other=0.0)  # (REP_PAD, D)
 
+        n_prompt = tl.minimum(tl.load(lens_ptr + prompt).to(tl.int64), Lp)
+        n_comp = tl.minimum(tl.load(step_ptr).to(tl.int64) + 1, Tc)
+        # this split's share of each part, whole blocks; split 0 always holds completion key 0
+        chunk_p = tl.cdiv(tl.cdiv(n_prompt, n_splits), BLOCK_N) * BLOCK_N
+        chunk_c = tl.cdiv(tl.cdiv(n_comp, n_splits), BLOCK_N) * BLOCK_N
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
+        row_stride = NKV * D
+        prompt_at = (prompt * Lp * NKV + kvh) * D
         m_i, l_i, acc = _fold_keys(
             q,
             pk_ptr + prompt_at,
@@ -240,6 +187,7 @@ if triton is not None:
             BLOCK_N,
             DOT_PRECISION,
         )
+        comp_at = (b * Tc * NKV + kvh) * D
         m_i, l_i, acc = _fold_keys(
             q,
             ck_ptr + comp_at,
@@ -430,8 +378,6 @@ def decode_attention_triton(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        LINE=128 // q.element_size(),
-        ROW_LINES=max(1, d * q.element_size() // 128),
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(),
