@@ -257,10 +257,12 @@ def _blocks() -> tuple[int, int, int]:
 def _num_splits(rows: int, nkv: int, keys: int, block_n: int, device: torch.device) -> int:
     """Key splits per (row, kv head): 1 when rows x kv heads already give a program per
     multiprocessor, else as many as reach that, at most one per two blocks of the full caches and
-    at most 16. At the 0.5B shape with 64 rows (128 programs) on an H100, 2 splits took 1.085 ms
-    per decode step, 1 split 1.204 and 3 splits (the earlier two programs per multiprocessor)
-    1.121 (benchmarks/NOTES.md). A function of the shapes alone, never of the step, so a
-    captured graph stays valid."""
+    at most 16. On an H100 (benchmarks/results/rollout_ab_h100_v2.txt): at the 0.5B shape with 64
+    rows (128 programs, 2 splits) a decode step took 1.09-1.13 ms, with 1 split 1.20-1.22 and with
+    3 splits 1.12; the 7B attention at 64 rows (256 programs, 1 split; 2 when the aim was two
+    programs per multiprocessor) took 29.2 us per layer alone against 31.6 with 2 splits
+    (tune_decode_attention_h100_v1.json). A function of the shapes alone, never of the step,
+    so a captured graph stays valid."""
     if device.type != "cuda":
         return 1
     if SPLITS > 0:
