@@ -45,6 +45,7 @@ from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
 from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
 from fastgrpo.kernels.swiglu import silu_mul, silu_mul_linear_train
+from fastgrpo.kernels.token_inputs import embed_and_angles
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
 from fastgrpo.models.packed import PackedLinears, packed_linear
 
@@ -519,13 +520,19 @@ class Transformer(nn.Module):
         """
         if position_bound is None:
             position_bound = int(positions.max()) + 1 if positions.numel() else 1
-        x = self.model.embed_tokens(input_ids)  # (T, H)
-        cos, sin = self.rotary.lookup(positions, position_bound, x.dtype)  # (T, D) each
-        if use_fused_ops(x, fused_ops):
+        if use_fused_ops(input_ids, fused_ops):  # the embedding rows and tables in one kernel
+            weight = self.model.embed_tokens.weight
+            rotary = self.rotary
+            rotary.reserve(position_bound, input_ids.device)
+            x, cos, sin = embed_and_angles(
+                input_ids, positions, weight, rotary.cos, rotary.sin, weight.dtype
+            )  # (T, H), (T, D), (T, D)
             residual = None
             for layer in self.model.layers:
                 x, residual = layer.forward_fused(x, residual, cos, sin, attend)
             return self.model.norm.add_and_norm(x, residual)[0]  # (T, H)
+        x = self.model.embed_tokens(input_ids)  # (T, H)
+        cos, sin = self.rotary.lookup(positions, position_bound, x.dtype)  # (T, D) each
         use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
         if use_train_kernels(x):
             residual = None

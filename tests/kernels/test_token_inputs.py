@@ -1,0 +1,36 @@
+"""The first layer's per-token inputs in one kernel (`kernels.token_inputs`): embedding rows and
+the RoPE table rows of each position, against the torch gathers and casts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICE, NEEDS_TRITON
+
+from fastgrpo.kernels.token_inputs import embed_and_angles_ref, embed_and_angles_triton
+
+pytestmark = NEEDS_TRITON
+
+
+@pytest.mark.parametrize("V,H,D,T", [(37, 50, 12, 9), (5, 4100, 64, 3), (11, 8, 16, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_embedding_rows_and_tables_are_the_gathers(V, H, D, T, dtype):
+    gen = torch.Generator().manual_seed(V + H)
+    weight = torch.randn(V, H, generator=gen).to(dtype).to(DEVICE)
+    cos = torch.randn(40, D, generator=gen).to(DEVICE)  # fp32 tables, as RotaryTable keeps them
+    sin = torch.randn(40, D, generator=gen).to(DEVICE)
+    ids = torch.randint(0, V, (T,), generator=gen).to(DEVICE)
+    positions = torch.randint(0, 40, (T,), generator=gen).to(DEVICE)
+    got = embed_and_angles_triton(ids, positions, weight, cos, sin, dtype)
+    want = embed_and_angles_ref(ids, positions, weight, cos, sin, dtype)
+    for name, g, w in zip(("x", "cos", "sin"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+def test_token_inputs_launcher_says_what_it_cannot_take():
+    ids = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    weight, table = torch.zeros(4, 8, device=DEVICE), torch.zeros(5, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="positions"):
+        embed_and_angles_triton(ids, ids[:2], weight, table, table, torch.float32)
+    with pytest.raises(ValueError, match="contiguous"):
+        embed_and_angles_triton(ids, ids, weight, table.t(), table.t(), torch.float32)
