@@ -7,15 +7,17 @@ What: `embed_and_angles(ids, positions, embed_weight, cos_table, sin_table, dtyp
 
 Why: as torch ops these are five kernels (one gather for the embedding, a gather and a cast for
 each table) at the start of every decode step; plain launches between the step's Triton kernels
-also break their programmatic-dependent-launch chain. At 64 rows of the 0.5B model on an H100
-each such launch cost ~4-7 us of a ~1.1 ms step (benchmarks/NOTES.md). One program per token
-copies all three rows.
+also break their programmatic-dependent-launch chain. One program per token copies all three
+rows: at 64 rows of the 0.5B model on an H100 a decode step took 1.051 ms against 1.061 with the
+torch ops (three pairs in one run, benchmarks/results/rollout_ab_h100_v2.txt).
 
 Reference: `embed_and_angles_ref`, the torch ops, also the CPU path. The results are copies and
 the same rounding of fp32 to the activation dtype, so bitwise equal on a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,6 +26,9 @@ from fastgrpo.kernels.lm_head_stats import _interpreting, triton
 
 if triton is not None:
     import triton.language as tl
+
+# FASTGRPO_TOKEN_INPUTS=0 keeps the torch gathers on CUDA too (to compare)
+ENABLED = os.environ.get("FASTGRPO_TOKEN_INPUTS", "1") != "0"
 
 
 def embed_and_angles_ref(ids, positions, embed_weight, cos_table, sin_table, dtype):
@@ -111,6 +116,6 @@ def embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, 
 
 def embed_and_angles(ids, positions, embed_weight, cos_table, sin_table, dtype):
     """The kernel on CUDA, else the reference."""
-    if triton is not None and ids.is_cuda:
+    if ENABLED and triton is not None and ids.is_cuda:
         return embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, dtype)
     return embed_and_angles_ref(ids, positions, embed_weight, cos_table, sin_table, dtype)
