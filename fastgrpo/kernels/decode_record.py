@@ -11,9 +11,10 @@ tensors, so a CUDA graph of the decode step replays with them advancing in place
 
 Why: as torch ops this was ~12 small kernels per decode step (two `where` + `index_copy_`, the
 lengths add, `isin` as a broadcast compare and a reduction, the flag update, the copy, and the two
-counter increments), ~25 us of a ~1.1 ms step of the 0.5B model at 64 rows on an H100, and plain
-launches break the programmatic-dependent-launch chain of the step's Triton kernels
-(benchmarks/NOTES.md). One program per block of rows does it all.
+counter increments), and plain launches break the programmatic-dependent-launch chain of the
+step's Triton kernels. One program does it all: the 0.5B model's decode step at 64 rows on an H100
+went from 1.128 to 1.044 ms (1.133 to 1.087-1.106 in an earlier pair;
+benchmarks/results/rollout_ab_h100_v2.txt).
 
 Reference: `record_step_ref`, the torch ops, which is also the CPU path.
 """
