@@ -46,6 +46,8 @@ if triton is not None:
 # FASTGRPO_DECODE_ATTENTION=ref keeps CUDA tensors on the reference (to compare or to bisect)
 USE_TRITON = os.environ.get("FASTGRPO_DECODE_ATTENTION", "triton") != "ref"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FASTGRPO_ATTENTION_ONE_LOOP=0 walks the prompt's and the completion's keys in two loops (to compare)
+ONE_LOOP = os.environ.get("FASTGRPO_ATTENTION_ONE_LOOP", "1") != "0"
 # FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
 SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
 # FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
@@ -122,6 +124,49 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _fold_joined_keys(
+        q,  # (REP_PAD, D) queries of one kv head, in the cache dtype
+        pk_base,
+        pv_base,  # pointers to prompt key / value 0 of this kv head
+        ck_base,
+        cv_base,  # pointers to completion key / value 0 of this kv head
+        n_prompt,  # keys [0, n_prompt) are the prompt's, [n_prompt, ...) the completion's
+        start,
+        stop,  # keys [start, stop) of the joined sequence
+        stride_n,
+        scale2,
+        m_i,
+        l_i,
+        acc,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """`_fold_keys` over the prompt's keys followed by the completion's as one sequence: one
+        loop, so the pipeline fills once per program instead of once per part; a block that
+        straddles the two parts reads each key from its own cache."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        for block in range(start, stop, BLOCK_N):
+            keys = block + offs_n  # (BLOCK_N,) int64
+            valid = keys < stop
+            in_prompt = keys < n_prompt
+            row = tl.where(in_prompt, keys, keys - n_prompt)[:, None] * stride_n + offs_d[None, :]
+            k_at = tl.where(in_prompt[:, None], pk_base + row, ck_base + row)
+            k = tl.load(k_at, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale2  # (REP_PAD, BN)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # (REP_PAD, BLOCK_N)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_at = tl.where(in_prompt[:, None], pv_base + row, cv_base + row)
+            v = tl.load(v_at, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _decode_attention_kernel(
         q_ptr,  # (B, nh, D), unit stride on D
         pk_ptr,
@@ -147,6 +192,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        ONE_LOOP: tl.constexpr,  # prompt and completion keys in one loop (`_fold_joined_keys`)
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         pdl.start(PDL)
@@ -172,37 +218,59 @@ if triton is not None:
         acc = tl.zeros([REP_PAD, D], tl.float32)
         row_stride = NKV * D
         prompt_at = (prompt * Lp * NKV + kvh) * D
-        m_i, l_i, acc = _fold_keys(
-            q,
-            pk_ptr + prompt_at,
-            pv_ptr + prompt_at,
-            split * chunk_p,
-            tl.minimum((split + 1) * chunk_p, n_prompt),
-            row_stride,
-            scale2,
-            m_i,
-            l_i,
-            acc,
-            D,
-            BLOCK_N,
-            DOT_PRECISION,
-        )
         comp_at = (b * Tc * NKV + kvh) * D
-        m_i, l_i, acc = _fold_keys(
-            q,
-            ck_ptr + comp_at,
-            cv_ptr + comp_at,
-            split * chunk_c,
-            tl.minimum((split + 1) * chunk_c, n_comp),
-            row_stride,
-            scale2,
-            m_i,
-            l_i,
-            acc,
-            D,
-            BLOCK_N,
-            DOT_PRECISION,
-        )
+        if ONE_LOOP:
+            n_all = n_prompt + n_comp
+            chunk = tl.cdiv(tl.cdiv(n_all, n_splits), BLOCK_N) * BLOCK_N
+            m_i, l_i, acc = _fold_joined_keys(
+                q,
+                pk_ptr + prompt_at,
+                pv_ptr + prompt_at,
+                ck_ptr + comp_at,
+                cv_ptr + comp_at,
+                n_prompt,
+                split * chunk,
+                tl.minimum((split + 1) * chunk, n_all),
+                row_stride,
+                scale2,
+                m_i,
+                l_i,
+                acc,
+                D,
+                BLOCK_N,
+                DOT_PRECISION,
+            )
+        else:
+            m_i, l_i, acc = _fold_keys(
+                q,
+                pk_ptr + prompt_at,
+                pv_ptr + prompt_at,
+                split * chunk_p,
+                tl.minimum((split + 1) * chunk_p, n_prompt),
+                row_stride,
+                scale2,
+                m_i,
+                l_i,
+                acc,
+                D,
+                BLOCK_N,
+                DOT_PRECISION,
+            )
+            m_i, l_i, acc = _fold_keys(
+                q,
+                ck_ptr + comp_at,
+                cv_ptr + comp_at,
+                split * chunk_c,
+                tl.minimum((split + 1) * chunk_c, n_comp),
+                row_stride,
+                scale2,
+                m_i,
+                l_i,
+                acc,
+                D,
+                BLOCK_N,
+                DOT_PRECISION,
+            )
 
         rows = b * (NKV * REP) + heads  # (REP_PAD,) flat (b, head) index
         if SPLIT:
@@ -380,6 +448,7 @@ def decode_attention_triton(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ONE_LOOP=ONE_LOOP,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(),
