@@ -144,7 +144,9 @@ if triton is not None:
     ):
         """`_fold_keys` over the prompt's keys followed by the completion's as one sequence: one
         loop, so the pipeline fills once per program instead of once per part; a block that
-        straddles the two parts reads each key from its own cache."""
+        straddles the two parts reads each key from its own cache. The 0.5B decode step at 64
+        rows on an H100: 1.023 ms mean against 1.047 with two loops (three pairs in one run,
+        benchmarks/results/rollout_ab_h100_v2.txt)."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         for block in range(start, stop, BLOCK_N):
