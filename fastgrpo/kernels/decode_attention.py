@@ -15,8 +15,9 @@ its share of the prompt's keys followed by the row's completion keys (one sequen
 [BLOCK_N, D] blocks, each block read once and used for all rep heads by tl.dot, with an online
 softmax in base 2 (log2(e) / sqrt(d) folded into one scale) and fp32 statistics. The loop
 bounds come from `prompt_lens` and `step`, read on the device, so the launch does not depend on
-them and replays in a CUDA graph while `step` advances in place. When rows x kv heads would leave multiprocessors idle (few rows), the
-keys are split across programs and a small kernel merges the partial results.
+them and replays in a CUDA graph while `step` advances in place. When rows x kv heads would
+leave multiprocessors idle (few rows), the keys are split across programs and a small kernel
+merges the partial results.
 
 Why per row and not per (prompt, kv head) covering its G rows: the completion keys, private to each
 row, dominate the bytes read once a completion is a few hundred tokens long, and a per-prompt
