@@ -89,44 +89,6 @@ if triton is not None:
     @triton.jit
     def _fold_keys(
         q,  # (REP_PAD, D) queries of one kv head, in the cache dtype
-        k_base,
-        v_base,  # pointers to key / value 0 of this kv head
-        start,
-        stop,  # keys [start, stop) of this part, stop <= the part's valid length
-        stride_n,  # elements from one key to the next
-        scale2,  # log2(e) / sqrt(d)
-        m_i,
-        l_i,
-        acc,  # running max (REP_PAD,), sum (REP_PAD,), output (REP_PAD, D), all fp32
-        D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        """Fold keys [start, stop) into the online softmax: each [BLOCK_N, D] block of keys and
-        values is loaded once (masked past `stop`, so stale slots are never read) and serves all
-        query heads through tl.dot."""
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D)
-        for block in range(start, stop, BLOCK_N):
-            keys = block + offs_n  # (BLOCK_N,) int64
-            valid = keys < stop
-            at = keys[:, None] * stride_n + offs_d[None, :]  # (BLOCK_N, D)
-            k = tl.load(k_base + at, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale2  # (REP_PAD, BN)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            # every block holds a valid key, so m_new is finite and no row sees -inf - -inf
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # (REP_PAD, BLOCK_N)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + at, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _fold_joined_keys(
-        q,  # (REP_PAD, D) queries of one kv head, in the cache dtype
         pk_base,
         pv_base,  # pointers to prompt key / value 0 of this kv head
         ck_base,
@@ -143,11 +105,13 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """`_fold_keys` over the prompt's keys followed by the completion's as one sequence: one
-        loop, so the pipeline fills once per program instead of once per part; a block that
-        straddles the two parts reads each key from its own cache. The 0.5B decode step at 64
-        rows on an H100: 1.023 ms mean against 1.047 with two loops (three pairs in one run,
-        benchmarks/results/rollout_ab_h100_v2.txt)."""
+        """Fold keys [start, stop) of the prompt's keys followed by the completion's (one
+        sequence) into the online softmax: each [BLOCK_N, D] block of keys and values is loaded
+        once (masked past `stop`, so stale slots are never read) and serves all query heads
+        through tl.dot; a block that straddles the two parts reads each key from its own cache.
+        One loop over both parts fills the pipeline once per program, not once per part: the 0.5B
+        decode step at 64 rows on an H100 took 1.023 ms mean against 1.047 with a loop per part
+        (three pairs in one run, benchmarks/results/rollout_ab_h100_v2.txt)."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         for block in range(start, stop, BLOCK_N):
@@ -159,6 +123,7 @@ if triton is not None:
             k = tl.load(k_at, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale2  # (REP_PAD, BN)
             s = tl.where(valid[None, :], s, float("-inf"))
+            # every block holds a valid key, so m_new is finite and no row sees -inf - -inf
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])  # (REP_PAD, BLOCK_N)
@@ -195,7 +160,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        ONE_LOOP: tl.constexpr,  # prompt and completion keys in one loop (`_fold_joined_keys`)
+        ONE_LOOP: tl.constexpr,  # prompt and completion keys in one loop, not a loop per part
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         pdl.start(PDL)
@@ -213,19 +178,16 @@ if triton is not None:
 
         n_prompt = tl.minimum(tl.load(lens_ptr + prompt).to(tl.int64), Lp)
         n_comp = tl.minimum(tl.load(step_ptr).to(tl.int64) + 1, Tc)
-        # this split's share of each part, whole blocks; split 0 always holds completion key 0
-        chunk_p = tl.cdiv(tl.cdiv(n_prompt, n_splits), BLOCK_N) * BLOCK_N
-        chunk_c = tl.cdiv(tl.cdiv(n_comp, n_splits), BLOCK_N) * BLOCK_N
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
         row_stride = NKV * D
         prompt_at = (prompt * Lp * NKV + kvh) * D
         comp_at = (b * Tc * NKV + kvh) * D
-        if ONE_LOOP:
+        if ONE_LOOP:  # this split's share of the joined keys, whole blocks; split 0 holds key 0
             n_all = n_prompt + n_comp
             chunk = tl.cdiv(tl.cdiv(n_all, n_splits), BLOCK_N) * BLOCK_N
-            m_i, l_i, acc = _fold_joined_keys(
+            m_i, l_i, acc = _fold_keys(
                 q,
                 pk_ptr + prompt_at,
                 pv_ptr + prompt_at,
@@ -243,11 +205,16 @@ if triton is not None:
                 BLOCK_N,
                 DOT_PRECISION,
             )
-        else:
-            m_i, l_i, acc = _fold_keys(
+        else:  # a loop per part, a share of each; split 0 always holds completion key 0
+            chunk_p = tl.cdiv(tl.cdiv(n_prompt, n_splits), BLOCK_N) * BLOCK_N
+            chunk_c = tl.cdiv(tl.cdiv(n_comp, n_splits), BLOCK_N) * BLOCK_N
+            m_i, l_i, acc = _fold_keys(  # prompt keys only: all below n_prompt
                 q,
                 pk_ptr + prompt_at,
                 pv_ptr + prompt_at,
+                pk_ptr + prompt_at,
+                pv_ptr + prompt_at,
+                n_prompt,
                 split * chunk_p,
                 tl.minimum((split + 1) * chunk_p, n_prompt),
                 row_stride,
@@ -259,10 +226,13 @@ if triton is not None:
                 BLOCK_N,
                 DOT_PRECISION,
             )
-            m_i, l_i, acc = _fold_keys(
+            m_i, l_i, acc = _fold_keys(  # completion keys only: none below 0
                 q,
                 ck_ptr + comp_at,
                 cv_ptr + comp_at,
+                ck_ptr + comp_at,
+                cv_ptr + comp_at,
+                0,
                 split * chunk_c,
                 tl.minimum((split + 1) * chunk_c, n_comp),
                 row_stride,
