@@ -32,6 +32,10 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_ROWS = 1024
+MAX_STOP_IDS = 1024
+"""More stop ids than this go to the torch ops: the kernel compares each row with every stop id."""
+COMPARES_PER_BLOCK = 8192
+"""Rows per block times (padded) stop ids, the size of the kernel's compare tile."""
 # FASTGRPO_FUSED_RECORD=0 keeps the torch ops on CUDA too (to compare)
 ENABLED = os.environ.get("FASTGRPO_FUSED_RECORD", "1") != "0"
 
@@ -112,6 +116,10 @@ if triton is not None:
             tl.store(slot_ptr, tl.load(slot_ptr) + 1)
 
 
+def _rows_per_block(B: int, stop_pad: int) -> int:
+    return max(1, min(BLOCK_ROWS, triton.next_power_of_2(B), COMPARES_PER_BLOCK // stop_pad))
+
+
 def record_step_triton(
     tokens, logp, lengths, finished, last_token, step, slot, token, token_logp, stop_ids, pad_id,
     advance_slot,
@@ -126,7 +134,8 @@ def record_step_triton(
         raise ValueError(f"per-row tensors of shape ({B},) expected")
     if step.shape != () or slot.shape != () or stop_ids.dim() != 1:
         raise ValueError("step and slot must be () tensors and stop_ids (S,)")
-    if B == 0:
+    stop_pad = max(2, triton.next_power_of_2(stop_ids.numel()))
+    if B == 0 or stop_pad > MAX_STOP_IDS:
         record_step_ref(
             tokens, logp, lengths, finished, last_token, step, slot, token, token_logp,
             stop_ids, pad_id, advance_slot,
@@ -148,8 +157,8 @@ def record_step_triton(
         stop_ids.numel(),
         pad_id,
         ADVANCE_SLOT=advance_slot,
-        BLOCK=min(BLOCK_ROWS, triton.next_power_of_2(B)),
-        STOP_PAD=max(2, triton.next_power_of_2(stop_ids.numel())),
+        BLOCK=_rows_per_block(B, stop_pad),
+        STOP_PAD=stop_pad,
         num_warps=4,
         **pdl.launch_options(),
     )

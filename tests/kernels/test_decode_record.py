@@ -60,3 +60,18 @@ def test_record_launcher_says_what_it_cannot_take():
         bad = list(state)
         bad[0] = state[0].t().contiguous().t()
         decode_record.record_step_triton(*bad, token, token_logp, stop_ids, 0, True)
+
+
+@pytest.mark.parametrize("n_stop", [300, 2000], ids=["300-stop-ids", "over-the-kernel's-limit"])
+def test_many_stop_ids(n_stop):
+    stop_ids = torch.arange(5, 5 + n_stop, dtype=torch.int64, device=DEVICE)  # ids 5 and up
+    want, token, token_logp = _state(37, 6, seed=n_stop)
+    token[0], want[3][0] = 5 + n_stop - 1, False  # row 0 samples the last stop id
+    got = [t.clone() for t in want]
+    decode_record.record_step_ref(*want, token, token_logp, stop_ids, 0, True)
+    decode_record.record_step_triton(*got, token, token_logp, stop_ids, 0, True)
+    for name, g, w in zip(
+        ["tokens", "logp", "lengths", "finished", "last", "step", "slot"], got, want
+    ):
+        assert torch.equal(g, w), name
+    assert bool(got[3][0])
