@@ -47,8 +47,6 @@ if triton is not None:
 # FASTGRPO_DECODE_ATTENTION=ref keeps CUDA tensors on the reference (to compare or to bisect)
 USE_TRITON = os.environ.get("FASTGRPO_DECODE_ATTENTION", "triton") != "ref"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# FASTGRPO_ATTENTION_ONE_LOOP=0 walks the prompt's and the completion's keys in two loops (to compare)
-ONE_LOOP = os.environ.get("FASTGRPO_ATTENTION_ONE_LOOP", "1") != "0"
 # FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
 SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
 # FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
@@ -96,11 +94,9 @@ if triton is not None:
         n_prompt,  # keys [0, n_prompt) are the prompt's, [n_prompt, ...) the completion's
         start,
         stop,  # keys [start, stop) of the joined sequence
-        stride_n,
-        scale2,
-        m_i,
-        l_i,
-        acc,
+        stride_n,  # elements from one key to the next
+        scale2,  # log2(e) / sqrt(d)
+        REP_PAD: tl.constexpr,
         D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -111,7 +107,11 @@ if triton is not None:
         through tl.dot; a block that straddles the two parts reads each key from its own cache.
         One loop over both parts fills the pipeline once per program, not once per part: the 0.5B
         decode step at 64 rows on an H100 took 1.023 ms mean against 1.047 with a loop per part
-        (three pairs in one run, benchmarks/results/rollout_ab_h100_v2.txt)."""
+        (three pairs in one run, benchmarks/results/rollout_ab_h100_v2.txt). Returns the running
+        max (REP_PAD,), sum (REP_PAD,) and output (REP_PAD, D) of the online softmax, all fp32."""
+        m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, D], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         for block in range(start, stop, BLOCK_N):
@@ -160,7 +160,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        ONE_LOOP: tl.constexpr,  # prompt and completion keys in one loop, not a loop per part
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         pdl.start(PDL)
@@ -178,72 +177,27 @@ if triton is not None:
 
         n_prompt = tl.minimum(tl.load(lens_ptr + prompt).to(tl.int64), Lp)
         n_comp = tl.minimum(tl.load(step_ptr).to(tl.int64) + 1, Tc)
-        m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([REP_PAD], tl.float32)
-        acc = tl.zeros([REP_PAD, D], tl.float32)
-        row_stride = NKV * D
         prompt_at = (prompt * Lp * NKV + kvh) * D
         comp_at = (b * Tc * NKV + kvh) * D
-        if ONE_LOOP:  # this split's share of the joined keys, whole blocks; split 0 holds key 0
-            n_all = n_prompt + n_comp
-            chunk = tl.cdiv(tl.cdiv(n_all, n_splits), BLOCK_N) * BLOCK_N
-            m_i, l_i, acc = _fold_keys(
-                q,
-                pk_ptr + prompt_at,
-                pv_ptr + prompt_at,
-                ck_ptr + comp_at,
-                cv_ptr + comp_at,
-                n_prompt,
-                split * chunk,
-                tl.minimum((split + 1) * chunk, n_all),
-                row_stride,
-                scale2,
-                m_i,
-                l_i,
-                acc,
-                D,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
-        else:  # a loop per part, a share of each; split 0 always holds completion key 0
-            chunk_p = tl.cdiv(tl.cdiv(n_prompt, n_splits), BLOCK_N) * BLOCK_N
-            chunk_c = tl.cdiv(tl.cdiv(n_comp, n_splits), BLOCK_N) * BLOCK_N
-            m_i, l_i, acc = _fold_keys(  # prompt keys only: all below n_prompt
-                q,
-                pk_ptr + prompt_at,
-                pv_ptr + prompt_at,
-                pk_ptr + prompt_at,
-                pv_ptr + prompt_at,
-                n_prompt,
-                split * chunk_p,
-                tl.minimum((split + 1) * chunk_p, n_prompt),
-                row_stride,
-                scale2,
-                m_i,
-                l_i,
-                acc,
-                D,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
-            m_i, l_i, acc = _fold_keys(  # completion keys only: none below 0
-                q,
-                ck_ptr + comp_at,
-                cv_ptr + comp_at,
-                ck_ptr + comp_at,
-                cv_ptr + comp_at,
-                0,
-                split * chunk_c,
-                tl.minimum((split + 1) * chunk_c, n_comp),
-                row_stride,
-                scale2,
-                m_i,
-                l_i,
-                acc,
-                D,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
+        # this split's share of the joined keys, whole blocks; split 0 always holds key 0
+        n_all = n_prompt + n_comp
+        chunk = tl.cdiv(tl.cdiv(n_all, n_splits), BLOCK_N) * BLOCK_N
+        m_i, l_i, acc = _fold_keys(
+            q,
+            pk_ptr + prompt_at,
+            pv_ptr + prompt_at,
+            ck_ptr + comp_at,
+            cv_ptr + comp_at,
+            n_prompt,
+            split * chunk,
+            tl.minimum((split + 1) * chunk, n_all),
+            NKV * D,
+            scale2,
+            REP_PAD,
+            D,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
 
         rows = b * (NKV * REP) + heads  # (REP_PAD,) flat (b, head) index
         if SPLIT:
@@ -421,7 +375,6 @@ def decode_attention_triton(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ONE_LOOP=ONE_LOOP,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(),
