@@ -26,6 +26,18 @@ def _state(B, T, seed):
     return [t.to(DEVICE) for t in state], token.to(DEVICE), token_logp.to(DEVICE)
 
 
+def _record_both(state, token, token_logp, stop_ids, fed):
+    """Record into `state` by the reference and into a copy by the kernel (pad id 0); assert the
+    two states are equal and return the kernel's."""
+    got = [t.clone() for t in state]
+    decode_record.record_step_ref(*state, token, token_logp, stop_ids, 0, fed)
+    decode_record.record_step_triton(*got, token, token_logp, stop_ids, 0, fed)
+    names = ["tokens", "logp", "lengths", "finished", "last", "step", "slot"]
+    for name, g, w in zip(names, got, state):
+        assert torch.equal(g, w), name
+    return got
+
+
 @pytest.mark.parametrize("B,block", [(37, 16), (5, 1024), (1, 1024)], ids=["3-blocks", "5", "1"])
 @pytest.mark.parametrize("stop", [[3, 7], [], [11]], ids=["two-stops", "no-stop", "one-stop"])
 @pytest.mark.parametrize("fed", [True, False], ids=["fed", "prefill"])
@@ -36,13 +48,7 @@ def test_record_kernel_is_the_torch_ops(B, block, stop, fed, monkeypatch):
     if stop:  # row 0 is running and samples a stop token
         token[0], want[3][0] = stop[-1], False
     was_finished = want[3].clone()
-    got = [t.clone() for t in want]
-    decode_record.record_step_ref(*want, token, token_logp, stop_ids, 0, fed)
-    decode_record.record_step_triton(*got, token, token_logp, stop_ids, 0, fed)
-    for name, g, w in zip(
-        ["tokens", "logp", "lengths", "finished", "last", "step", "slot"], got, want
-    ):
-        assert torch.equal(g, w), name
+    got = _record_both(want, token, token_logp, stop_ids, fed)
     step, slot = got[5], got[6]
     assert int(step) == 3 and int(slot) == (6 if fed else 5)
     assert bool(got[3][0]) == bool(stop)  # row 0 ended by its stop token, if there are stops
@@ -67,11 +73,5 @@ def test_many_stop_ids(n_stop):
     stop_ids = torch.arange(5, 5 + n_stop, dtype=torch.int64, device=DEVICE)  # ids 5 and up
     want, token, token_logp = _state(37, 6, seed=n_stop)
     token[0], want[3][0] = 5 + n_stop - 1, False  # row 0 samples the last stop id
-    got = [t.clone() for t in want]
-    decode_record.record_step_ref(*want, token, token_logp, stop_ids, 0, True)
-    decode_record.record_step_triton(*got, token, token_logp, stop_ids, 0, True)
-    for name, g, w in zip(
-        ["tokens", "logp", "lengths", "finished", "last", "step", "slot"], got, want
-    ):
-        assert torch.equal(g, w), name
+    got = _record_both(want, token, token_logp, stop_ids, True)
     assert bool(got[3][0])
