@@ -103,9 +103,6 @@ if triton is not None:
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         part_desc.store([split * C_pad + pid_m * BLOCK_R, pid_h * BLOCK_H], acc)
 
-
-if triton is not None:
-
     @triton.jit
     def _merge_splits_kernel(
         part_ptr,  # (S * C_pad, H) fp32 partial sums, row stride stride_part
