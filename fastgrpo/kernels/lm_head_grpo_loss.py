@@ -42,6 +42,8 @@ from fastgrpo.kernels.token_loss import token_loss_and_grads
 if triton is not None:
     import triton.language as tl
 
+    from fastgrpo.kernels.lm_head_stats import _LN2, _LOG2E
+
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 DEFAULT_CHUNK_BYTES = (
     640 * 2**20
@@ -155,9 +157,9 @@ if triton is not None:
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         ok = rows < C
         logp = tl.load(logp_ptr + rows, mask=ok, other=0.0)
-        lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * 1.4426950408889634
+        lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * _LOG2E
         t2 = tl.load(t2_ptr + rows, mask=ok, other=0.0)
-        unsafe = ok & (-logp * 1.4426950408889634 > safe_log2_ratio)
+        unsafe = ok & (-logp * _LOG2E > safe_log2_ratio)
         tl.store(ref_ptr + rows, tl.where(unsafe, lse2, t2), mask=ok)
         tl.store(flags_ptr + tl.program_id(0), tl.max(unsafe.to(tl.int32), 0))
 
@@ -185,7 +187,7 @@ if triton is not None:
         dz = (g / T) * (onehot - p) and p = e * 2^(ref - lse2). So dH = s * (e' @ W) and
         dW = e'^T @ (s * hidden): plain GEMMs, no pass over the (C, V) values."""
         row = tl.program_id(0).to(tl.int64)
-        lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+        lse2 = tl.load(lse_ptr + row) * _LOG2E
         ref = tl.load(ref_ptr + row)
         s = -tl.load(g_ptr + row) * inv_temp * tl.exp2(ref - lse2)
         tl.store(s_ptr + row, s)
@@ -230,7 +232,7 @@ if triton is not None:
         if (g == 0.0) & (ge == 0.0):
             dz = tl.zeros([BLOCK_V], tl.float32)
         else:
-            shift = tl.load(ref_ptr + row) - tl.load(lse_ptr + row) * 1.4426950408889634
+            shift = tl.load(ref_ptr + row) - tl.load(lse_ptr + row) * _LOG2E
             ent = tl.load(ent_ptr + row)
             target = tl.load(tgt_ptr + row).to(tl.int64)
             e = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
@@ -238,7 +240,7 @@ if triton is not None:
             # below 1e-30, p * ln p is below 1e-28: the floor only keeps log2(0) out
             log2_p = tl.log2(tl.maximum(e, 1.0e-30)) + shift
             dz = g * (tl.where(cols == target, 1.0, 0.0) - p)
-            dz -= ge * p * (log2_p * 0.6931471805599453 + ent)
+            dz -= ge * p * (log2_p * _LN2 + ent)
         tl.store(
             z_ptr + row * stride_zn + cols, (dz * inv_temp).to(z_ptr.dtype.element_ty), mask=ok
         )

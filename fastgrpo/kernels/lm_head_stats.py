@@ -4,10 +4,9 @@ What: for rows of `hidden` (N, H) against `weight` (V, H) at a temperature, one 
 the logits GEMM and, in its epilogue, folds each fp32 tile into running per-row statistics: max,
 sum of exponentials and the sum of p*z (for entropy). The vocabulary is split across programs so
 that small N still fills the GPU; a combine kernel merges the splits (`combine_stats` is its
-reference). A small second kernel takes
-each target's logit as one dot product of the row with its target's weight row (cheaper than a
-compare in every tile of the epilogue). The result is the fp32 log-prob of each target and,
-optionally, each row's entropy.
+reference). A small second kernel takes each target's logit as one dot product of the row with its
+target's weight row (cheaper than a compare in every tile of the epilogue). The result is the fp32
+log-prob of each target and, optionally, each row's entropy.
 
 Why: scoring (reference and old log-probs, evaluation) needs only these O(N) numbers. Computing
 them from the fp32 accumulator keeps the log-prob accurate to ~1e-6 even with bf16 inputs, costs
@@ -33,6 +32,9 @@ except ImportError:  # CPU-only installs: the reference path serves
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+if triton is not None:  # the same, for kernels: a global a kernel reads must be a constexpr
+    _LOG2E = tl.constexpr(LOG2E)
+    _LN2 = tl.constexpr(LN2)
 
 
 def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
@@ -47,8 +49,8 @@ def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
 
 
 def combine_stats(m, s, pz, t):
-    """The reference of `_combine_kernel`: merge per-split base-2 statistics m, s, pz (S, N) and the target's t (N,) into (logp,
-    entropy, lse), each (N,) fp32.
+    """The reference of `_combine_kernel`: merge per-split base-2 statistics m, s, pz (S, N) and
+    the target's t (N,) into (logp, entropy, lse), each (N,) fp32.
 
     The kernel keeps its statistics in base 2 (z2 = log2(e) * logits / T, so each tile needs one
     exp2 and no extra multiply): m the running max of z2, s the sum of 2^(z2 - m), pz the sum of
@@ -180,9 +182,9 @@ if triton is not None:
             weighted += tl.load(pz_ptr + i * N + rows, mask=ok, other=0.0) * scale
         lse2 = top + tl.log2(total)
         t = tl.load(t_ptr + rows, mask=ok, other=0.0)
-        tl.store(logp_ptr + rows, (t - lse2) * 0.6931471805599453, mask=ok)
-        tl.store(ent_ptr + rows, (lse2 - weighted / total) * 0.6931471805599453, mask=ok)
-        tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=ok)
+        tl.store(logp_ptr + rows, (t - lse2) * _LN2, mask=ok)
+        tl.store(ent_ptr + rows, (lse2 - weighted / total) * _LN2, mask=ok)
+        tl.store(lse_ptr + rows, lse2 * _LN2, mask=ok)
 
     @triton.jit
     def _lm_head_stats_kernel(

@@ -45,13 +45,13 @@ import math
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, triton
+from fastgrpo.kernels.lm_head_stats import LN2, LOG2E, _interpreting, triton
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-LN2 = math.log(2.0)
+    from fastgrpo.kernels.lm_head_stats import _LN2, _LOG2E
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -75,8 +75,6 @@ if triton is not None:
     _R_MIN = tl.constexpr(2.0**-33)
     _R_MAX = tl.constexpr(1.0 - 2.0**-24)  # the largest fp32 below 1
     _SERIES_BELOW = tl.constexpr(1.0 / 32)
-    _LOG2E = tl.constexpr(LOG2E)
-    _LN2 = tl.constexpr(LN2)
 
     @triton.jit
     def _mix64(x):
