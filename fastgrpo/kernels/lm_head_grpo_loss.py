@@ -45,9 +45,8 @@ if triton is not None:
     from fastgrpo.kernels.lm_head_stats import _LN2, _LOG2E
 
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-DEFAULT_CHUNK_BYTES = (
-    640 * 2**20
-)  # one chunk of bf16 (rows, V) values: ~2k rows at a 152k vocabulary
+# one chunk of bf16 (rows, V) values: ~2k rows at a 152k vocabulary
+DEFAULT_CHUNK_BYTES = 640 * 2**20
 # The two backward GEMMs: "triton" (lm_head_backward: rows known to have no gradient skipped, on
 # the device) or "cublas" (torch.mm, every row; 3-5% faster when no row can be skipped).
 BACKWARD_GEMMS = "triton"
