@@ -119,6 +119,10 @@ def _clean_answer(raw: str) -> str:
     return answer.rstrip(".").strip()
 
 
+# characters scanned before the last digit (then back to a whitespace): longer than any number
+_NUMBER_WINDOW = 64
+
+
 def _last_number(text: str) -> str | None:
     """The last number written in the text, e.g. "-7" in "So x = -7.", "3/4" in "x = \\frac{3}{4}".
 
@@ -135,10 +139,6 @@ def _last_number(text: str) -> str | None:
     start = max(text.rfind(space, 0, cut) for space in " \n\t") if cut else -1
     numbers = _NUMBER_IN_TEXT.findall(text, max(start, 0))
     return numbers[-1] if numbers else None
-
-
-# characters scanned before the last digit (then back to a whitespace): longer than any number
-_NUMBER_WINDOW = 64
 
 
 def normalize_number(text: str) -> Fraction | None:
