@@ -27,6 +27,7 @@ from fastgrpo.kernels.lm_head_stats import (
     _interpreting,
     _tma_ready,
     aligned_empty,
+    multiprocessors,
     triton,
 )
 
@@ -50,30 +51,82 @@ def dh_ref(dz, weight, n_rows):
 if triton is not None:
 
     @triton.jit
+    def _dw_tile(
+        z_desc,
+        h_desc,
+        dw_desc,
+        tile,
+        n_hb,
+        k_tiles,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        REDUCE: tl.constexpr,
+    ):
+        """dW[tile] += dz[:n, tile's rows]^T @ hidden[:n, tile's columns] (k_tiles row blocks)."""
+        pid_v = tile // n_hb  # tiles of one vocabulary block are neighbours: dz read once
+        pid_h = tile - pid_v * n_hb
+        acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+        for ki in range(0, k_tiles):
+            a = z_desc.load([ki * BLOCK_R, pid_v * BLOCK_V])  # (BR, BV)
+            b = h_desc.load([ki * BLOCK_R, pid_h * BLOCK_H])  # (BR, BH)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+        if REDUCE:  # the add happens in L2 (bulk tensor reduce): no read of dW by the program
+            dw_desc.atomic_add([pid_v * BLOCK_V, pid_h * BLOCK_H], acc.to(dw_desc.dtype))
+        else:
+            prev = dw_desc.load([pid_v * BLOCK_V, pid_h * BLOCK_H]).to(tl.float32)
+            dw_desc.store([pid_v * BLOCK_V, pid_h * BLOCK_H], (prev + acc).to(dw_desc.dtype))
+
+    @triton.jit
     def _dw_kernel(
         z_desc,  # (C, V) dz, blocks (BLOCK_R, BLOCK_V)
         h_desc,  # (C, H) hidden, blocks (BLOCK_R, BLOCK_H)
         dw_desc,  # (V, H) accumulated gradient, blocks (BLOCK_V, BLOCK_H)
         n_ptr,  # () int32: rows that can carry a gradient
+        V,
         H,
         BLOCK_V: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        PERSISTENT: tl.constexpr,  # one program per SM over tiles pid, pid + grid, ...
+        REDUCE: tl.constexpr,
     ):
-        pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BLOCK_H)
-        pid_v = pid // n_hb  # programs of one vocabulary block run together: dz read once
-        pid_h = pid - pid_v * n_hb
         n_rows = tl.load(n_ptr)
-        if n_rows > 0:
-            acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
-            for r in range(0, n_rows, BLOCK_R):
-                a = z_desc.load([r, pid_v * BLOCK_V])  # (BR, BV)
-                b = h_desc.load([r, pid_h * BLOCK_H])  # (BR, BH)
-                acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-            prev = dw_desc.load([pid_v * BLOCK_V, pid_h * BLOCK_H]).to(tl.float32)
-            dw_desc.store([pid_v * BLOCK_V, pid_h * BLOCK_H], (prev + acc).to(dw_desc.dtype))
+        k_tiles = tl.cdiv(n_rows, BLOCK_R)
+        if PERSISTENT:
+            n_tiles = tl.cdiv(V, BLOCK_V) * n_hb
+            if n_rows > 0:  # one pipelined loop over (tile, row block): next tile's loads early
+                for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+                    _dw_tile(
+                        z_desc,
+                        h_desc,
+                        dw_desc,
+                        tile,
+                        n_hb,
+                        k_tiles,
+                        BLOCK_V,
+                        BLOCK_H,
+                        BLOCK_R,
+                        DOT_PRECISION,
+                        REDUCE,
+                    )
+        elif n_rows > 0:
+            _dw_tile(
+                z_desc,
+                h_desc,
+                dw_desc,
+                tl.program_id(0),
+                n_hb,
+                k_tiles,
+                BLOCK_V,
+                BLOCK_H,
+                BLOCK_R,
+                DOT_PRECISION,
+                REDUCE,
+            )
 
     @triton.jit
     def _dh_kernel(
@@ -129,14 +182,23 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _dw_blocks(H: int, itemsize: int = 2):
-    """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages). Measured on the H100
-    (benchmarks/tune_lm_head_backward.py, 2048-row chunks, fp32 dW; results v2 and v3): 256x128
-    tiles with 4 stages at H=896 (1.05 ms, cuBLAS 1.03), 128x256 at H=3584 (4.09 ms, cuBLAS 3.73)."""
+def _dw_blocks(H: int, itemsize: int = 2, dw_itemsize: int = 4):
+    """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages[, persistent[, reduce]]) for operands of
+    `itemsize` bytes and a dW of `dw_itemsize`. Measured on the H100
+    (benchmarks/tune_lm_head_backward.py, 2048-row chunks; results v2 to v4):
+    - bf16 dW (the fused loss's default): the add into dW by a bulk tensor reduce in L2, so the
+      programs never read dW: 256x128 tiles with 4 stages at H=896 (0.904 ms, 0.928 with the
+      program's read-add-write; cuBLAS 0.910); at H=3584 128x256 tiles, one program per SM
+      looping over tiles in one pipelined loop (3.42 ms, against 3.83; cuBLAS 3.33);
+    - fp32 dW: the read-add-write in the program (an fp32 tile to reduce would not fit shared
+      memory beside the pipeline): 256x128 with 4 stages at H=896 (1.05 ms, cuBLAS 1.03),
+      128x256 at H=3584 (4.09 ms, cuBLAS 3.73)."""
     if _interpreting():
         return 32, 16, 16, 4, 1
     if itemsize == 4:  # fp32 operands: half the k step, to fit shared memory
         return 128, 128, 32, 8, 3
+    if dw_itemsize == 2:
+        return (256, 128, 64, 8, 4, False, True) if H <= 1024 else (128, 256, 64, 8, 3, True, True)
     return (256, 128, 64, 8, 4) if H <= 1024 else (128, 256, 64, 8, 3)
 
 
@@ -165,19 +227,26 @@ def add_dw_(dw, dz, hidden, n_rows):
     """dw (V, H) += dz[:n]^T @ hidden[:n] in place; dz (C, V), hidden (C, H); n_rows () int32."""
     C, V = dz.shape
     H = hidden.shape[1]
-    block_v, block_h, block_r, warps, stages = _dw_blocks(H, dz.element_size())
+    config = _dw_blocks(H, dz.element_size(), dw.element_size())
+    block_v, block_h, block_r, warps, stages, *extra = config
+    persistent, reduce = (list(extra) + [False, False])[:2]
     hidden = _tma_ready(hidden)
-    grid = (triton.cdiv(V, block_v) * triton.cdiv(H, block_h),)
+    tiles = triton.cdiv(V, block_v) * triton.cdiv(H, block_h)
+    programs = multiprocessors(dz.device) if dz.is_cuda else 3
+    grid = (min(tiles, programs) if persistent else tiles,)
     _dw_kernel[grid](
         TensorDescriptor.from_tensor(dz, [block_r, block_v]),
         TensorDescriptor.from_tensor(hidden, [block_r, block_h]),
         TensorDescriptor.from_tensor(dw, [block_v, block_h]),
         n_rows,
+        V,
         H,
         BLOCK_V=block_v,
         BLOCK_H=block_h,
         BLOCK_R=block_r,
         DOT_PRECISION=_precision(dz),
+        PERSISTENT=bool(persistent),
+        REDUCE=bool(reduce) and not _interpreting(),
         num_warps=warps,
         num_stages=stages,
     )
