@@ -93,7 +93,7 @@ def sweep(c, h, v, dw_configs, dh_configs, dw_dtype):
         rows.append(row)
     for config in dh_configs:
         bwd._dh_blocks = lambda *_, x=config: x[:5]
-        bwd._dh_splits = lambda x=config: x[5]
+        bwd._dh_splits = lambda *_, x=config: x[5]
         row = {"shape": [c, h, v], "kernel": "triton dH", "config": config}
         try:
             got = bwd.dh(dz, weight, n)

@@ -204,19 +204,24 @@ def _dw_blocks(H: int, itemsize: int = 2, dw_itemsize: int = 4):
 
 def _dh_blocks(H: int, itemsize: int = 2):
     """(BLOCK_R, BLOCK_H, BLOCK_V, num_warps, num_stages). Measured on the H100
-    (benchmarks/tune_lm_head_backward.py, 2048-row chunks, 4 splits): 128x256 tiles, 0.90 ms at
-    H=896 (cuBLAS 0.88) and 3.28 ms at H=3584 (cuBLAS 3.29)."""
+    (benchmarks/tune_lm_head_backward.py, 2048-row chunks; results v2 to v5): at H=896, 256x128
+    tiles with 4 stages (0.835 ms with 7 splits, against 0.882 for 128x256 tiles, whose last column
+    block is half empty; cuBLAS 0.862); at H=3584, 128x256 tiles (3.1-3.4 ms, cuBLAS 3.2-3.3)."""
     if _interpreting():
         return 16, 16, 32, 4, 1
     if itemsize == 4:  # fp32 operands: smaller tiles, to fit shared memory
         return 128, 128, 32, 8, 3
-    return 128, 256, 64, 8, 3
+    return (256, 128, 64, 8, 4) if H <= 1024 else (128, 256, 64, 8, 3)
 
 
-def _dh_splits() -> int:
-    """Vocabulary splits for dH. 4 was the best measured at both H=896 and H=3584 (of 4, 8, 12
-    and 33); the fp32 partial sums take splits x C x H x 4 bytes."""
-    return 3 if _interpreting() else 4
+def _dh_splits(H: int) -> int:
+    """Vocabulary splits for dH, chosen with `_dh_blocks` so that the programs make whole waves
+    on the H100's 132 SMs: at H=896, 8 row blocks x 7 column blocks x 7 splits = 392 programs
+    (2.97 waves); at H=3584, 4 (of 2, 4, 7, 8, 12 and 33). The fp32 partial sums take splits x C x
+    H x 4 bytes."""
+    if _interpreting():
+        return 3
+    return 7 if H <= 1024 else 4
 
 
 def _precision(t):
@@ -261,7 +266,7 @@ def dh(dz, weight, n_rows, row_scale=None, out=None):
     C, V = dz.shape
     H = weight.shape[1]
     block_r, block_h, block_v, warps, stages = _dh_blocks(H, dz.element_size())
-    splits = _dh_splits()
+    splits = _dh_splits(H)
     k_per_split = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, k_per_split)
     c_pad = triton.cdiv(C, block_r) * block_r
