@@ -16,9 +16,8 @@ its share of the prompt's keys followed by the row's completion keys (one sequen
 softmax in base 2 (log2(e) / sqrt(d) folded into one scale) and fp32 statistics. The loop
 bounds come from `prompt_lens` and `step`, read on the device, so the launch does not depend on
 them and replays in a CUDA graph while `step` advances in place. When rows x kv heads would
-leave multiprocessors idle (few rows), the keys are split across programs, and the last split of
-each (row, kv head) to finish merges the partial results (a counter per (row, kv head); a second
-kernel did this before, one launch more per layer).
+leave multiprocessors idle (few rows), the keys are split across programs and a small kernel
+merges the partial results.
 
 Why per row and not per (prompt, kv head) covering its G rows: the completion keys, private to each
 row, dominate the bytes read once a completion is a few hundred tokens long, and a per-prompt
@@ -52,20 +51,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
 # FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
 BLOCKS = tuple(int(v) for v in os.environ.get("FASTGRPO_ATTENTION_BLOCKS", "").split(",") if v)
-# FASTGRPO_ATTENTION_MERGE=kernel merges key splits in a second kernel instead of in the last
-# split to finish (to compare)
-MERGE_LAST = os.environ.get("FASTGRPO_ATTENTION_MERGE", "last") != "kernel"
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """A zeroed (n,) int32 buffer of finished-split counters, one per size and device, kept for
-    the life of the process: a captured CUDA graph holds its address, and each launch leaves it
-    at zero (the last split resets its counter), so every replay finds it ready."""
-    key = (device, n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def decode_attention_ref(
@@ -150,56 +135,6 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _merge_if_last(
-        acc_ptr,  # (S, R, D) fp32 partial outputs
-        m_ptr,
-        l_ptr,  # (S, R) fp32 partial max and sum (base 2)
-        out_ptr,  # (R, D) the merged output
-        count_at,  # this (row, kv head)'s counter of finished splits
-        rows,  # (REP_PAD,) flat (row, head) indices of this kv head's query heads
-        head_ok,
-        n_splits,
-        R,
-        D: tl.constexpr,
-    ):
-        """Count this split as finished; the split that finds all the others done merges them
-        (as `_combine_splits_kernel`, the splits added in split order: deterministic) and
-        resets the counter, so the next launch (or graph replay) starts from 0.
-
-        The partials are published by a CTA barrier (every thread's stores issued) and the
-        counter's release at GPU scope; the last split's acquire orders its reads after them,
-        and its reads bypass L1 (.cg), which is not coherent across multiprocessors."""
-        tl.debug_barrier()
-        done = tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu")
-        if done == n_splits - 1:
-            tl.debug_barrier()
-            offs_d = tl.arange(0, D)
-            top = tl.load(m_ptr + rows, mask=head_ok, other=0.0, cache_modifier=".cg")
-            for i in range(1, n_splits):
-                m_s = tl.load(m_ptr + i * R + rows, mask=head_ok, other=0.0, cache_modifier=".cg")
-                top = tl.maximum(top, m_s)  # split 0 holds a key: finite
-            total = tl.zeros_like(top)
-            out = tl.zeros([rows.shape[0], D], tl.float32)
-            for i in range(0, n_splits):
-                at = i * R + rows
-                m_s = tl.load(m_ptr + at, mask=head_ok, other=0.0, cache_modifier=".cg")
-                l_s = tl.load(l_ptr + at, mask=head_ok, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    acc_ptr + at[:, None] * D + offs_d[None, :],
-                    mask=head_ok[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                w = tl.exp2(m_s - top)  # 0 for a split that saw no key (m_s = -inf)
-                total += w * l_s
-                out += w[:, None] * a_s
-            o_at = out_ptr + rows[:, None] * D + offs_d[None, :]
-            tl.store(
-                o_at, (out / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None]
-            )
-            tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
     def _decode_attention_kernel(
         q_ptr,  # (B, nh, D), unit stride on D
         pk_ptr,
@@ -211,8 +146,6 @@ if triton is not None:
         out_ptr,  # (B, nh, D) when SPLIT is false; else (S, B, nh, D) fp32 partial outputs
         m_ptr,
         l_ptr,  # (S, B, nh) fp32 partial max and sum (base 2), written when SPLIT
-        merged_ptr,  # (B, nh, D) the output, written by the last split when MERGE_LAST
-        count_ptr,  # (B * NKV,) int32 splits finished per (row, kv head); 0 between launches
         stride_qb,
         stride_qh,
         B,
@@ -226,7 +159,6 @@ if triton is not None:
         REP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
-        MERGE_LAST: tl.constexpr,  # with SPLIT: the last split to finish merges (no 2nd kernel)
         DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
@@ -273,19 +205,6 @@ if triton is not None:
             tl.store(m_ptr + at, m_i, mask=head_ok)
             tl.store(l_ptr + at, l_i, mask=head_ok)
             tl.store(out_ptr + at[:, None] * D + offs_d[None, :], acc, mask=head_ok[:, None])
-            if MERGE_LAST:
-                _merge_if_last(
-                    out_ptr,
-                    m_ptr,
-                    l_ptr,
-                    merged_ptr,
-                    count_ptr + b * NKV + kvh,
-                    rows,
-                    head_ok,
-                    n_splits,
-                    B * (NKV * REP),
-                    D,
-                )
         else:
             out = acc / l_i[:, None]
             o_at = out_ptr + rows[:, None] * D + offs_d[None, :]
@@ -426,13 +345,11 @@ def decode_attention_triton(
     out = torch.empty(B, nh, d, dtype=out_dtype, device=q.device)
     if B == 0:
         return out
-    merge_last = splits > 1 and MERGE_LAST
     if splits > 1:
         partial = torch.empty(splits, B, nh, d, dtype=torch.float32, device=q.device)
         m, l_s = torch.empty(2, splits, B, nh, dtype=torch.float32, device=q.device)
     else:
         partial, m, l_s = out, out, out  # m and l are not written without splits
-    counters = _split_counters(B * nkv, q.device) if merge_last else m
     _decode_attention_kernel[(B, nkv, splits)](
         q,
         prompt_k,
@@ -444,8 +361,6 @@ def decode_attention_triton(
         partial,
         m,
         l_s,
-        out,
-        counters,
         q.stride(0),
         q.stride(1),
         B,
@@ -459,13 +374,12 @@ def decode_attention_triton(
         REP_PAD=max(16, triton.next_power_of_2(rep)),
         BLOCK_N=block_n,
         SPLIT=splits > 1,
-        MERGE_LAST=merge_last,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(),
     )
-    if splits > 1 and not merge_last:
+    if splits > 1:
         _combine_splits_kernel[(B * nh,)](
             partial,
             m,

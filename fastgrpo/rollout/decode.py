@@ -12,7 +12,6 @@ captured again.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +22,6 @@ from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
 from fastgrpo.transfer import to_device
-
-# FASTGRPO_FOLD_POSITIONS=0 forms a decode step's positions by a torch add (to compare)
-FOLD_POSITIONS = os.environ.get("FASTGRPO_FOLD_POSITIONS", "1") != "0"
 
 
 @dataclass
@@ -149,23 +145,10 @@ class WaveBuffers:
 
     def _step(self) -> None:
         s, model = self.state, self.model
-        if FOLD_POSITIONS:  # each row's prompt length + this step's slot, in the first kernel
-            hidden = model(
-                s.last_token,
-                self.base_positions,
-                self.attend,
-                position_bound=self.position_bound,
-                fused_ops=True,
-                position_offset=s.slot,
-            )
-        else:
-            hidden = model(
-                s.last_token,
-                self.base_positions + s.slot,
-                self.attend,
-                position_bound=self.position_bound,
-                fused_ops=True,
-            )
+        positions = self.base_positions + s.slot  # (B,)
+        hidden = model(
+            s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
+        )
         logits = model.logits(hidden)  # (B, V)
         s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=True)
 

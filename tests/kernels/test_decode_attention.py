@@ -75,20 +75,6 @@ def test_kernel_matches_float64_reference(case, splits):
     assert (out.double() - _float64_ref(*inputs)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("merge_last", [True, False])
-def test_split_merges_agree_and_leave_their_counters_at_zero(merge_last, monkeypatch):
-    """The last split to finish merges (counters per (row, kv head), reset by that split), or a
-    second kernel does: both match the reference, and repeated launches give the same bits."""
-    monkeypatch.setattr(ops, "MERGE_LAST", merge_last)
-    inputs = _inputs(*CASES["rep7-G3-last-slot"])
-    out = ops.decode_attention_triton(*inputs, splits=3)
-    assert (out.double() - _float64_ref(*inputs)).abs().max() <= 1e-5
-    assert torch.equal(out, ops.decode_attention_triton(*inputs, splits=3))
-    if merge_last:
-        counters = ops._split_counters(inputs[0].shape[0] * 2, inputs[0].device)
-        assert (counters == 0).all()
-
-
 @pytest.mark.parametrize("splits", [1, 2])
 def test_stale_values_past_the_valid_slots_do_not_change_the_result(splits):
     case = (2, 3, 14, 2, 16, 21, 33, [5, 21], 17)
