@@ -8,7 +8,8 @@ the kernels' configuration functions:
     --variant "x:dw=256,128,64,8,4,0,1;stats=128,256,64,8,3"
 
 dh = (BLOCK_R, BLOCK_H, BLOCK_V, warps, stages, splits); dw = `lm_head_backward._dw_blocks`'s tuple;
-stats = `lm_head_stats._blocks`'s tuple. A variant with no settings runs the defaults. Prints the
+stats = `lm_head_stats._blocks`'s tuple; gluon = 0 or 1 (the training pass's statistics by the Gluon
+kernel on Hopper, `lm_head_stats_gluon`). A variant with no settings runs the defaults. Prints the
 median forward + backward time of each variant per round, then one JSON line.
 Run on a CUDA GPU:  python benchmarks/ab_lm_head_configs.py --shape 16384x896x151936 --variant ...
 """
@@ -30,12 +31,14 @@ from bench_logprob import fused_loss, make_inputs  # noqa: E402
 
 from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
 from fastgrpo.kernels import lm_head_stats as stats  # noqa: E402
+from fastgrpo.kernels import lm_head_stats_gluon  # noqa: E402
 
 DEFAULTS = {
     "dh_blocks": bwd._dh_blocks,
     "dh_splits": bwd._dh_splits,
     "dw_blocks": bwd._dw_blocks,
     "stats_blocks": stats._blocks,
+    "gluon": lm_head_stats_gluon.ENABLED,
 }
 
 
@@ -45,8 +48,8 @@ def parse_variant(text):
     settings = {}
     for part in filter(None, body.split(";")):
         key, _, value = part.partition("=")
-        if key not in ("dh", "dw", "stats"):
-            raise SystemExit(f"unknown setting {key!r} in {text!r}: use dh, dw or stats")
+        if key not in ("dh", "dw", "stats", "gluon"):
+            raise SystemExit(f"unknown setting {key!r} in {text!r}: use dh, dw, stats or gluon")
         settings[key] = tuple(int(x) for x in value.split(","))
     return name, settings
 
@@ -56,6 +59,7 @@ def apply(settings):
     bwd._dh_splits = DEFAULTS["dh_splits"]
     bwd._dw_blocks = DEFAULTS["dw_blocks"]
     stats._blocks = DEFAULTS["stats_blocks"]
+    lm_head_stats_gluon.ENABLED = bool(settings.get("gluon", (DEFAULTS["gluon"],))[0])
     if "dh" in settings:
         bwd._dh_blocks = lambda *_, c=settings["dh"]: c[:5]
         bwd._dh_splits = lambda *_, c=settings["dh"]: c[5]

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from fastgrpo.kernels import lm_head_stats_gluon
+
 try:
     import triton
     import triton.language as tl
@@ -408,6 +410,10 @@ def _launch_stats(
         )
     if N == 0:
         return
+    config = (block_m, block_n, block_k, warps, stages, *extra)
+    if store and lm_head_stats_gluon.applies(hidden, config, flags):  # Hopper, training pass
+        if lm_head_stats_gluon.launch(hidden, weight, scale2, stats, probs_out, reference, entropy):
+            return
     options = {"maxnreg": extra[0]} if extra and extra[0] else {}
     _lm_head_stats_kernel[(triton.cdiv(N, block_m), stats.shape[1])](
         TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
