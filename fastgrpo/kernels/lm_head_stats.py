@@ -393,7 +393,9 @@ def _new_stats(hidden, weight):
 def _launch_stats(
     hidden, weight, scale2, stats, *, probs_out=None, reference=None, flags=None, entropy=True
 ):
-    """The statistics kernel over prepared (hidden, weight) into `stats` (3, S, N)."""
+    """The statistics kernel over prepared (hidden, weight) into `stats` (3, S, N), and with
+    `probs_out` the relative probabilities (on Hopper GPUs by `lm_head_stats_gluon`'s kernel,
+    whose results are the same bit for bit)."""
     N, H = hidden.shape
     V = weight.shape[0]
     block_m, block_n, block_k, warps, stages, *extra = _blocks(H, hidden.element_size())
@@ -411,7 +413,7 @@ def _launch_stats(
     if N == 0:
         return
     config = (block_m, block_n, block_k, warps, stages, *extra)
-    if store and lm_head_stats_gluon.applies(hidden, config, flags):  # Hopper, training pass
+    if store and lm_head_stats_gluon.applies(hidden, probs_out, config, flags):
         if lm_head_stats_gluon.launch(hidden, weight, scale2, stats, probs_out, reference, entropy):
             return
     options = {"maxnreg": extra[0]} if extra and extra[0] else {}

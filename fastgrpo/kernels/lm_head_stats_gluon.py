@@ -248,9 +248,10 @@ if gluon is not None:
         gl.store(pz_ptr + out, running_pz * scale2, mask=row_ok)
 
 
-def applies(hidden: torch.Tensor, config: tuple, flags) -> bool:
-    """Whether the Gluon kernel serves a training pass's statistics (with the store): bf16 on a
-    Hopper GPU (sm_90), the configuration it was written for, every row block (no `flags`)."""
+def applies(hidden: torch.Tensor, probs_out: torch.Tensor, config: tuple, flags) -> bool:
+    """Whether the Gluon kernel serves a training pass's statistics (the store into `probs_out`):
+    bf16 on a Hopper GPU (sm_90), the configuration it was written for, every row block (no
+    `flags`)."""
     return (
         ENABLED
         and not _failed
@@ -258,6 +259,7 @@ def applies(hidden: torch.Tensor, config: tuple, flags) -> bool:
         and flags is None
         and hidden.is_cuda
         and hidden.dtype == torch.bfloat16
+        and probs_out.dtype == torch.bfloat16
         and tuple(config) == CONFIG
         and torch.cuda.get_device_capability(hidden.device) == (9, 0)
     )

@@ -42,7 +42,8 @@ def _training_stats(hidden, weight, targets, temperature, entropy, gluon):
 @pytest.mark.parametrize("entropy", [True, False])
 def test_gluon_training_stats_are_bitwise_the_triton_kernels(n, h, v, entropy):
     hidden, weight, targets = _chunk(n, h, v, seed=n + h)
-    assert gluon_stats.applies(hidden, ops._blocks(h), None)
+    probs = torch.empty(1, dtype=torch.bfloat16, device="cuda")
+    assert gluon_stats.applies(hidden, probs, ops._blocks(h), None)
     stats, probs, chunk = _training_stats(hidden, weight, targets, 0.8, entropy, gluon=True)
     want_stats, want_probs, _ = _training_stats(hidden, weight, targets, 0.8, entropy, gluon=False)
     assert not gluon_stats._failed
@@ -56,13 +57,14 @@ def test_gluon_training_stats_are_bitwise_the_triton_kernels(n, h, v, entropy):
 
 def test_gluon_kernel_serves_only_hopper_bf16_training_with_its_configuration():
     cpu = torch.zeros(4, 896, dtype=torch.bfloat16)
-    assert not gluon_stats.applies(cpu, gluon_stats.CONFIG, None)
+    assert not gluon_stats.applies(cpu, cpu, gluon_stats.CONFIG, None)
     if ON_HOPPER:
         gpu = cpu.cuda()
-        assert gluon_stats.applies(gpu, gluon_stats.CONFIG, None)
-        assert not gluon_stats.applies(gpu.float(), gluon_stats.CONFIG, None)
-        assert not gluon_stats.applies(gpu, (128, 128, 64, 8, 3), None)  # another tile shape
-        assert not gluon_stats.applies(gpu, gluon_stats.CONFIG, torch.ones(1))  # flagged blocks
+        assert gluon_stats.applies(gpu, gpu, gluon_stats.CONFIG, None)
+        assert not gluon_stats.applies(gpu.float(), gpu, gluon_stats.CONFIG, None)
+        assert not gluon_stats.applies(gpu, gpu.float(), gluon_stats.CONFIG, None)
+        assert not gluon_stats.applies(gpu, gpu, (128, 128, 64, 8, 3), None)  # other tiles
+        assert not gluon_stats.applies(gpu, gpu, gluon_stats.CONFIG, torch.ones(1))  # flags
 
 
 @pytest.mark.skipif(gluon_stats.gluon is None, reason="needs triton's Gluon")
@@ -83,4 +85,4 @@ def test_a_gluon_kernel_that_does_not_compile_warns_once_and_hands_back(monkeypa
     with pytest.warns(UserWarning, match="unsupported layout"):
         done = gluon_stats.launch(hidden, weight, 1.0, stats, probs, torch.zeros(4), True)
     assert done is False and gluon_stats._failed
-    assert not gluon_stats.applies(hidden, gluon_stats.CONFIG, None)  # not tried again
+    assert not gluon_stats.applies(hidden, probs, gluon_stats.CONFIG, None)  # not tried again
