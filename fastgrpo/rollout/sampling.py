@@ -37,14 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.lm_head_sample import lm_head_sample
-from fastgrpo.kernels.lm_head_sample import takes as lm_head_takes
 from fastgrpo.kernels.sample_tokens import KERNEL_DTYPES, sample_tokens_fused, triton
 
-# read once at import; tests flip the module attributes
+# read once at import; tests flip the module attribute
 FUSED_SAMPLER = os.environ.get("FASTGRPO_FUSED_SAMPLER", "1") != "0"
-# FASTGRPO_LM_HEAD_SAMPLER=0 keeps a decode step's logits in memory for the sampler (to compare)
-LM_HEAD_SAMPLER = os.environ.get("FASTGRPO_LM_HEAD_SAMPLER", "1") != "0"
 
 # splitmix64 constants, as signed int64 (torch has no uint64 arithmetic on every device)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -91,23 +87,6 @@ def sample_tokens(
     if _fused_serves(logits, params):
         return sample_tokens_fused(logits, params.temperature, seeds, step)
     return sample_tokens_torch(logits, params, seeds, step)
-
-
-def sample_from_hidden(
-    hidden: torch.Tensor,  # (B, H) final hidden states
-    lm_head_weight: torch.Tensor,  # (V, H)
-    params: SamplingParams,
-    seeds: torch.Tensor,  # (B,) int64
-    step: torch.Tensor,  # (B,) or () int64
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_tokens(hidden @ lm_head_weight.T, ...)`. A decode batch on a GPU with the plain
-    settings (at most `lm_head_sample.MAX_ROWS` rows, no top-k / top-p) goes through the fused
-    LM-head sampler, which never writes the logits and keeps them in fp32; anything else computes
-    the logits, then samples."""
-    if LM_HEAD_SAMPLER and _fused_serves(hidden, params) and lm_head_takes(hidden, lm_head_weight):
-        return lm_head_sample(hidden, lm_head_weight, params.temperature, seeds, step)
-    logits = torch.nn.functional.linear(hidden, lm_head_weight)  # (B, V)
-    return sample_tokens(logits, params, seeds, step)
 
 
 def _fused_serves(logits: torch.Tensor, params: SamplingParams) -> bool:
