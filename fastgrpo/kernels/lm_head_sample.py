@@ -32,7 +32,6 @@ import warnings
 
 import torch
 
-from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import LN2, LOG2E, _tma_ready, multiprocessors
 from fastgrpo.kernels.sample_tokens import check_sampling_args
 
@@ -165,25 +164,6 @@ if gluon is not None:
         return best, best_col, new_max, run_sum
 
     @gluon.jit
-    def _gdc_wait():
-        """griddepcontrol.wait (kernels.pdl's `wait`, in Gluon's dialect)."""
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-    @gluon.jit
-    def _gdc_launch_dependents():
-        """griddepcontrol.launch_dependents (kernels.pdl's `start`)."""
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0",
-            "=r",
-            [],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @gluon.jit
     def _issue_load(
         h_desc,
         w_desc,
@@ -235,10 +215,7 @@ if gluon is not None:
         NUM_WARPS: gl.constexpr,
         GREEDY: gl.constexpr,
         EVEN_V: gl.constexpr,
-        PDL: gl.constexpr,  # programmatic dependent launch (kernels.pdl)
     ):
-        if PDL:
-            _gdc_launch_dependents()
         pid = gl.program_id(0)
         n_progs = gl.num_programs(0)
         SUB_V: gl.constexpr = BLOCK_V // 2  # two accumulators per tile (see the module docstring)
@@ -261,22 +238,24 @@ if gluon is not None:
         my_tiles = gl.cdiv(n_tiles - pid, n_progs)
         total = my_tiles * k_tiles
 
-        # the first stages: the weight is no earlier kernel's output, so (with PDL) its loads go
-        # out before the wait for the previous kernel; the hidden rows' after it
-        for st in gl.static_range(STAGES):
-            if st < total:
-                bar = ready.index(st)
-                mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tile = pid + (st // k_tiles) * n_progs
-                w_at = [tile * BLOCK_V, (st % k_tiles) * BLOCK_K]
-                tma.async_copy_global_to_shared(w_desc, w_at, bar, b_smem.index(st))
-        if PDL:
-            _gdc_wait()
-        for st in gl.static_range(STAGES):
-            if st < total:
-                h_at = [0, (st % k_tiles) * BLOCK_K]
-                tma.async_copy_global_to_shared(h_desc, h_at, ready.index(st), a_smem.index(st))
-        issued = gl.minimum(total, STAGES)  # run-time i32, loop-carried
+        issued = n_tiles * 0  # run-time i32, loop-carried
+        for _ in gl.static_range(STAGES):  # fill every stage
+            if issued < total:
+                _issue_load(
+                    h_desc,
+                    w_desc,
+                    a_smem,
+                    b_smem,
+                    ready,
+                    issued,
+                    pid,
+                    n_progs,
+                    k_tiles,
+                    BLOCK_V,
+                    BLOCK_K,
+                    STAGES,
+                )
+                issued += 1
 
         # the row keys (sample_tokens._row_keys), while the first loads fly
         rows = gl.arange(0, BLOCK_B, layout=row_layout)
@@ -424,10 +403,7 @@ if gluon is not None:
         B,
         P,
         P_PAD: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
-        pdl.start(PDL)
-        pdl.wait(PDL)
         row = tl.program_id(0)
         progs = tl.arange(0, P_PAD)
         ok = progs < P
@@ -518,7 +494,6 @@ def lm_head_sample(hidden, weight, temperature: float, seeds, step):
             GREEDY=greedy,
             EVEN_V=V % BLOCK_V == 0,
             num_warps=NUM_WARPS,
-            **pdl.launch_options(),
         )
     except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)
         _failed = True
@@ -540,6 +515,5 @@ def lm_head_sample(hidden, weight, temperature: float, seeds, step):
         B,
         programs,
         P_PAD=triton.next_power_of_2(programs),
-        **pdl.launch_options(),
     )
     return tokens, logp
