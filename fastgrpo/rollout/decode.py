@@ -20,7 +20,7 @@ import torch
 from fastgrpo.kernels.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
-from fastgrpo.rollout.sampling import SamplingParams, sample_from_hidden, sample_tokens
+from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
 from fastgrpo.transfer import to_device
 
 
@@ -149,8 +149,8 @@ class WaveBuffers:
         hidden = model(
             s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
         )
-        sampled = sample_from_hidden(hidden, model.lm_head_weight, self.params, self.seeds, s.step)
-        s.record(*sampled, self.stop_ids, fed=True)
+        logits = model.logits(hidden)  # (B, V)
+        s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=True)
 
     def _inputs(self) -> tuple:
         """Addresses the graph reads beyond its own buffers: parameters and the RoPE table. Checked
