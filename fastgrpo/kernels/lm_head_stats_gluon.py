@@ -30,6 +30,7 @@ Triton kernel; the Triton kernel itself is the CPU (interpreter) and non-Hopper 
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -261,8 +262,16 @@ def applies(hidden: torch.Tensor, probs_out: torch.Tensor, config: tuple, flags)
         and hidden.dtype == torch.bfloat16
         and probs_out.dtype == torch.bfloat16
         and tuple(config) == CONFIG
-        and torch.cuda.get_device_capability(hidden.device) == (9, 0)
+        and _hopper(hidden.device.index)
     )
+
+
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    """Whether the CUDA device is a Hopper GPU (sm_90), cached: the capability query reads the
+    device properties, tens of microseconds, and `applies` runs for every chunk of a training
+    call."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def _layout(block):
