@@ -65,11 +65,6 @@ MAX_K = 1024
 """The longest reduction the kernel takes in one range: with one program per column block, a
 long K leaves too few programs streaming too much (the 0.5B down_proj, K = 4864, lost). Longer
 ones go to `linear_split_sums` when their reader is a norm (SPLIT_SUMS)."""
-# FASTGRPO_PREFETCH_AHEAD=0: no linear asks L2 for a later kernel's weight (to compare)
-AHEAD = os.environ.get("FASTGRPO_PREFETCH_AHEAD", "1") != "0"
-AHEAD_BUDGET = 24 * 2**20
-"""The most bytes one linear asks L2 for on behalf of later kernels (the H100's L2 is 50 MB, and
-the attention's keys and values pass through it at the same time)."""
 # FASTGRPO_SPLIT_SUMS=0 keeps down_proj on cuBLAS (to compare)
 SPLIT_SUMS = os.environ.get("FASTGRPO_SPLIT_SUMS", "1") != "0"
 
@@ -111,21 +106,10 @@ if triton is not None:
         PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
         LINE: tl.constexpr,  # weight elements per 128-byte line
         PREFETCH_LINES: tl.constexpr,  # a power of two >= the lines of one row's k range
-        ahead0_ptr,  # with AHEAD: up to two later kernels' weights to ask L2 for (numel 0: none)
-        ahead0_numel,
-        ahead1_ptr,
-        ahead1_numel,
-        AHEAD: tl.constexpr,
-        AHEAD_LANES: tl.constexpr,  # the program's threads, each issuing its own pieces
     ):
         pdl.start(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
-        if AHEAD:  # each program a slice, before anything else, so it streams during this kernel
-            part = pid_n + tl.num_programs(0) * (pid_m + tl.num_programs(1) * tl.program_id(2))
-            parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            pdl.prefetch_ahead_l2(ahead0_ptr, ahead0_numel, part, parts, PDL, AHEAD_LANES)
-            pdl.prefetch_ahead_l2(ahead1_ptr, ahead1_numel, part, parts, PDL, AHEAD_LANES)
         rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         row_ok = rows < M
@@ -240,12 +224,10 @@ def linear_triton(
     bias: torch.Tensor | None,
     swiglu: bool = False,
     config: dict | None = None,
-    ahead=(),
 ) -> torch.Tensor:
     """As `linear_ref`, by one Triton launch: any row count and shape (`takes` says where it is
     the faster choice). No host sync, so it can be captured in a CUDA graph. `config` overrides
-    `pick_config` (BM, BN, BK, num_warps, num_stages; for tuning); `ahead`: up to two weights of
-    later kernels to ask L2 for (`prefetch_ahead`)."""
+    `pick_config` (BM, BN, BK, num_warps, num_stages; for tuning)."""
     if triton is None:
         raise RuntimeError("the Triton decode linear needs `pip install triton`")
     _check(x, weight, bias, swiglu)
@@ -255,17 +237,15 @@ def linear_triton(
     if M == 0 or N == 0:
         return out
     cfg = dict(pick_config(M, N, K, swiglu), **(config or {}))
-    _launch(x, weight, bias, out, N, swiglu, 0, 1, cfg, prefetch_ahead(ahead))
+    _launch(x, weight, bias, out, N, swiglu, 0, 1, cfg)
     return out
 
 
-def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg, ahead=()) -> None:
+def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
     """The kernel over (N / BN, M / BM, splits) programs, cfg as `pick_config` gives it;
-    k_per_split 0: one k range, the sum stored in out. `ahead`: up to two weights of later
-    kernels that this launch's programs ask L2 for (with PDL on; see `prefetch_ahead`)."""
+    k_per_split 0: one k range, the sum stored in out."""
     M, K = x.shape
     cfg = dict(cfg)
-    ahead = tuple(t for t in ahead if t is not None) if pdl.active() else ()
     bm = cfg.pop("BM")
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(M, bm), splits)
     line = 128 // weight.element_size()
@@ -290,9 +270,6 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg, ahead=())
         DOT_FP32=_interpreting(),
         LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_range, line)),
-        **pdl.ahead_args(ahead, weight),
-        AHEAD=bool(ahead),
-        AHEAD_LANES=32 * cfg["num_warps"],
         enable_fp_fusion=False,
         **cfg,
         **pdl.launch_options(),
@@ -311,12 +288,11 @@ def split_k_config(M: int, N: int, K: int) -> dict:
 
 
 def linear_split_sums(
-    x: torch.Tensor, weight: torch.Tensor, config: dict | None = None, ahead=()
+    x: torch.Tensor, weight: torch.Tensor, config: dict | None = None
 ) -> SplitSums:
     """x @ weight.T as fp32 parts over ranges of K (`SplitSums`), for a long-K product at a few
     rows (the down_proj of a decode step), whose parts the next `add_rms_norm` adds up: the
-    split-K GEMM without a reduction kernel of its own. No host sync. `ahead` as in
-    `linear_triton`."""
+    split-K GEMM without a reduction kernel of its own. No host sync."""
     if triton is None:
         raise RuntimeError("the Triton decode linear needs `pip install triton`")
     _check(x, weight, None, False)
@@ -329,9 +305,7 @@ def linear_split_sums(
     splits = max(1, triton.cdiv(K, k_per_split))
     partials = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if M and N:
-        _launch(
-            x, weight, None, partials, N, False, k_per_split, splits, cfg, prefetch_ahead(ahead)
-        )
+        _launch(x, weight, None, partials, N, False, k_per_split, splits, cfg)
     return SplitSums(partials, x.dtype)
 
 
@@ -344,27 +318,22 @@ def takes_split_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def linear_to_residual(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ahead=()
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | SplitSums:
     """A product whose only reader is the next `add_rms_norm` (a layer's down_proj): split-K
     parts where `takes_split_sums`, else `linear`."""
     if takes_split_sums(x, weight, bias):
-        return linear_split_sums(x, weight, ahead=ahead)
-    return linear(x, weight, bias, ahead=ahead)
+        return linear_split_sums(x, weight)
+    return linear(x, weight, bias)
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    swiglu: bool = False,
-    ahead=(),
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool = False
 ) -> torch.Tensor:
     """x @ weight.T + bias (then silu(gate) * up with swiglu): the kernel where `takes`, else
-    cuBLAS (+ the SiLU * up kernel on CUDA). `ahead`: weights of later kernels that the kernel
-    asks L2 for while it runs (`prefetch_ahead`; nothing on the cuBLAS path)."""
+    cuBLAS (+ the SiLU * up kernel on CUDA)."""
     if takes(x, weight, bias):
-        return linear_triton(x, weight, bias, swiglu, ahead=ahead)
+        return linear_triton(x, weight, bias, swiglu)
     out = F.linear(x, weight, bias)
     if swiglu:
         gate, up = out.chunk(2, dim=-1)
@@ -372,20 +341,8 @@ def linear(
     return out
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias, swiglu: bool = False, ahead=()):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, swiglu: bool = False):
     """(linear(RMSNorm(x + residual) * norm_weight), x + residual): the `rms_norm` kernel on
     CUDA, then `linear`."""
     h, new_residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(h, weight, bias, swiglu, ahead=ahead), new_residual
-
-
-def prefetch_ahead(weights) -> tuple:
-    """The weights (None skipped) that a decode linear asks L2 for on behalf of later kernels of
-    the step, while its own weight streams: all of them when the switch is on and they add up
-    to at most AHEAD_BUDGET bytes (more would evict each other before use), else none. Used
-    where a kernel's successors are latency-bound (the attention between q/k/v and o_proj), so
-    their weights are read from L2 when their turn comes."""
-    weights = tuple(w for w in weights if w is not None)
-    if not AHEAD or sum(w.numel() * w.element_size() for w in weights) > AHEAD_BUDGET:
-        return ()
-    return weights
+    return linear(h, weight, bias, swiglu), new_residual

@@ -5,8 +5,7 @@ What: a kernel launched with `**launch_options()` (its `PDL` constexpr and the l
 `wait(PDL)` before it reads or writes anything an earlier kernel of the stream touches; that wait
 returns when the previous kernel has finished and its writes are visible (and, since every
 kernel waits the same way, all earlier ones too). Between the two a kernel may start reading
-what no kernel of the step writes: `prefetch_l2` pulls weight rows into L2, and
-`prefetch_ahead_l2` a later kernel's whole weight (a bulk prefetch shared by the programs).
+what no kernel of the step writes: `prefetch_l2` pulls weight rows into L2.
 
 Why: a decode step of the 0.5B model is ~200 kernels of 3-10 us, each paying a fixed ~3.5 us of
 launch, ramp-up and tail (benchmarks/NOTES.md). With PDL the next kernel is resident and its
@@ -60,47 +59,6 @@ if triton is not None:
                 is_pure=False,
                 pack=1,
             )
-
-    @triton.jit
-    def prefetch_ahead_l2(base_ptr, numel, part, parts, PDL: tl.constexpr, LANES: tl.constexpr):
-        """Ask L2 for part `part` of `parts` of the `numel` contiguous elements at `base_ptr` (16-byte
-        aligned), for a later kernel: the part in pieces of at most 32 KB, one bulk prefetch
-        (`cp.async.bulk.prefetch.L2`, Hopper) per piece, issued by LANES threads, not waited for."""
-        if PDL:
-            size: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-            piece: tl.constexpr = 32768 // size
-            per = tl.cdiv(tl.cdiv(numel, parts), 16) * 16  # elements per part, 16-element aligned
-            start = part.to(tl.int64) * per
-            end = tl.minimum(start + per, numel)
-            lanes = tl.arange(0, LANES)
-            for first in range(start, end, LANES * piece):
-                at = first + lanes.to(tl.int64) * piece
-                nbytes = (tl.minimum(tl.maximum(end - at, 0), piece) * size).to(tl.int32)
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r",
-                    [base_ptr + at, nbytes],
-                    dtype=tl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
-
-
-def ahead_args(tensors, fallback: torch.Tensor) -> dict:
-    """The kernel arguments ahead{0,1}_ptr and ahead{0,1}_numel of `prefetch_ahead_l2` for up to
-    two tensors (the weights a later kernel reads): a missing one, or one that is not contiguous
-    and 16-byte aligned, as `fallback` (any tensor of the launch) with 0 elements."""
-    tensors = list(tensors)
-    if len(tensors) > 2:
-        raise ValueError(f"at most two tensors to prefetch, got {len(tensors)}")
-    args = {}
-    for i in range(2):
-        t = tensors[i] if i < len(tensors) else None
-        ok = t is not None and t.is_contiguous() and t.data_ptr() % 16 == 0
-        args[f"ahead{i}_ptr"] = t if ok else fallback
-        args[f"ahead{i}_numel"] = t.numel() if ok else 0
-    return args
 
 
 def active() -> bool:

@@ -415,15 +415,13 @@ class DecoderLayer(nn.Module):
         out = silu_mul_linear_train(gate_up, mlp.gate_proj.out_features, down.weight, down.bias)
         return out, residual
 
-    def forward_fused(self, x, residual, cos, sin, attend: Attend, next_layer=None):
+    def forward_fused(self, x, residual, cos, sin, attend: Attend):
         """The inference path: x is the previous layer's MLP output (the embeddings, with residual
         None, in layer 0) and residual the stream it is still to be added to; each add is fused
         into the norm after it. Returns this layer's (MLP output, residual), (T, H) each; the MLP
-        output may be `SplitSums` (see `forward_packed`), which every norm's add takes.
-        `next_layer`, the layer after this one, lets this one's kernels ask L2 for its first
-        weight ahead of time."""
+        output may be `SplitSums` (see `forward_packed`), which every norm's add takes."""
         if self.is_packed():
-            return self.forward_packed(x, residual, cos, sin, attend, next_layer)
+            return self.forward_packed(x, residual, cos, sin, attend)
         h, residual = self.input_layernorm.add_and_norm(x, residual)  # (T, H) each
         x = self.self_attn(h, cos, sin, attend, fused=True)  # (T, H)
         h, residual = self.post_attention_layernorm.add_and_norm(x, residual)
@@ -434,34 +432,19 @@ class DecoderLayer(nn.Module):
         packs = (self.self_attn.qkv, self.mlp.gate_up)
         return all(p is not None and p.intact() for p in packs)
 
-    def forward_packed(self, x, residual, cos, sin, attend: Attend, next_layer=None):
+    def forward_packed(self, x, residual, cos, sin, attend: Attend):
         """`forward_fused` over packed projections: residual add + norm, one q/k/v GEMM, o_proj,
         residual add + norm, one gate/up GEMM with SiLU * up, down_proj. At decode batch sizes
         `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue) and
-        may return down_proj as split-K parts (`SplitSums`) for the next norm to add up.
-
-        Those kernels also ask L2 for weights read later (`decode_linear.prefetch_ahead`), so HBM
-        streams them while the latency-bound kernels run: q/k/v for o_proj and gate/up (read
-        after RoPE and the attention), o_proj for down_proj and the next layer's q/k/v."""
+        may return down_proj as split-K parts (`SplitSums`) for the next norm to add up."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        next_qkv = None
-        if next_layer is not None and next_layer.is_packed():
-            next_qkv = next_layer.self_attn.qkv.weight
         qkv, residual = decode_linear.norm_linear(
-            x,
-            residual,
-            norm1.weight,
-            norm1.eps,
-            attn.qkv.weight,
-            attn.qkv.bias,
-            ahead=(attn.o_proj.weight, mlp.gate_up.weight),
+            x, residual, norm1.weight, norm1.eps, attn.qkv.weight, attn.qkv.bias
         )  # (T, (Hq + 2 Hkv) * D), (T, H)
         q, k, v = qkv.split(attn.qkv.sizes, dim=-1)
         out = attn.attend_projected(q, k, v, cos, sin, attend, fused=True)  # (T, Hq*D)
-        x = decode_linear.linear(
-            out, attn.o_proj.weight, attn.o_proj.bias, ahead=(mlp.down_proj.weight, next_qkv)
-        )  # (T, H)
+        x = decode_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
         act, residual = decode_linear.norm_linear(
             x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
         )  # (T, I), (T, H)
@@ -545,9 +528,8 @@ class Transformer(nn.Module):
                 input_ids, positions, weight, rotary.cos, rotary.sin, weight.dtype
             )  # (T, H), (T, D), (T, D)
             residual = None
-            layers = list(self.model.layers)
-            for layer, next_layer in zip(layers, layers[1:] + [None]):
-                x, residual = layer.forward_fused(x, residual, cos, sin, attend, next_layer)
+            for layer in self.model.layers:
+                x, residual = layer.forward_fused(x, residual, cos, sin, attend)
             return self.model.norm.add_and_norm(x, residual)[0]  # (T, H)
         x = self.model.embed_tokens(input_ids)  # (T, H)
         cos, sin = self.rotary.lookup(positions, position_bound, x.dtype)  # (T, D) each

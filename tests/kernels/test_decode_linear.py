@@ -16,7 +16,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
 
-from fastgrpo.kernels import decode_linear, pdl, rms_norm, rope
+from fastgrpo.kernels import decode_linear, rms_norm, rope
 from fastgrpo.kernels.decode_linear import linear_ref, linear_triton
 from fastgrpo.kernels.kv_write import write_kv_ref
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm_ref
@@ -254,26 +254,16 @@ LLAMA_LIKE = ModelConfig(  # GQA (rep 3), biased q/k/v (Qwen2), 2 layers
 )
 
 
-class _Launches(list):
-    """The decode linears launched (their swiglu flag, or "split"), and in `ahead` the weights
-    each was given to ask L2 for."""
-
-    def __init__(self):
-        super().__init__()
-        self.ahead = []
-
-
 @pytest.fixture
 def decode_kernels_here(monkeypatch):
     """The fused path on this device (the interpreter on a CPU) with the decode linear taken for
     every bf16 product of at most MAX_ROWS rows; records each launch's swiglu flag."""
-    calls = _Launches()
+    calls = []
     launcher = decode_linear.linear_triton
 
-    def counted(x, weight, bias, swiglu=False, config=None, ahead=()):
+    def counted(x, weight, bias, swiglu=False, config=None):
         calls.append(swiglu)
-        calls.ahead.append(tuple(ahead))
-        return launcher(x, weight, bias, swiglu, config, ahead)
+        return launcher(x, weight, bias, swiglu, config)
 
     monkeypatch.setattr(
         transformer, "use_fused_ops", lambda x, asked: asked and not torch.is_grad_enabled()
@@ -286,10 +276,9 @@ def decode_kernels_here(monkeypatch):
     monkeypatch.setattr(decode_linear, "linear_triton", counted)
     split_launcher = decode_linear.linear_split_sums
 
-    def counted_split(x, weight, config=None, ahead=()):
+    def counted_split(x, weight, config=None):
         calls.append("split")
-        calls.ahead.append(tuple(ahead))
-        return split_launcher(x, weight, dict(BK=16, k_per_split=32), ahead)  # 80 = 32 + 32 + 16
+        return split_launcher(x, weight, dict(BK=16, k_per_split=32))  # 80 = 32 + 32 + 16
 
     monkeypatch.setattr(
         decode_linear,
@@ -321,42 +310,9 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
         want = exact(ids, positions, attend)
     # per layer: q/k/v, o_proj, gate/up + SiLU (the one with swiglu), down_proj as split sums
     assert decode_kernels_here == [False, False, True, "split"] * LLAMA_LIKE.num_layers
-    # q/k/v asks L2 for o_proj's and gate/up's weights, o_proj for down_proj's and the next
-    # layer's q/k/v (none after the last layer), gate/up and down_proj for nothing
-    layers = list(model.model.layers)
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        next_qkv = layers[i + 1].self_attn.qkv.weight if i + 1 < len(layers) else None
-        qkv, o, gate_up, down = decode_kernels_here.ahead[4 * i : 4 * i + 4]
-        assert qkv[0] is attn.o_proj.weight and qkv[1] is mlp.gate_up.weight
-        assert o[0] is mlp.down_proj.weight and o[1] is next_qkv
-        assert gate_up == down == ()
     own = (plain.double() - want).abs()
     err = (fused.double() - want).abs()
     assert err.mean() <= 1.5 * own.mean() and err.max() <= 2 * own.max()
-
-
-def test_prefetch_ahead_keeps_what_fits_the_budget_and_honours_the_switch(monkeypatch):
-    small, other = torch.empty(3, 8, dtype=BF16), torch.empty(5, 8, dtype=BF16)
-    monkeypatch.setattr(decode_linear, "AHEAD_BUDGET", (3 * 8 + 5 * 8) * 2)
-    assert decode_linear.prefetch_ahead((small, None, other)) == (small, other)
-    assert decode_linear.prefetch_ahead((None, None)) == ()
-    monkeypatch.setattr(decode_linear, "AHEAD_BUDGET", (3 * 8 + 5 * 8) * 2 - 1)
-    assert decode_linear.prefetch_ahead((small, other)) == ()  # together they would not fit
-    monkeypatch.setattr(decode_linear, "AHEAD_BUDGET", 10**9)
-    monkeypatch.setattr(decode_linear, "AHEAD", False)
-    assert decode_linear.prefetch_ahead((small, other)) == ()
-
-
-def test_prefetch_ahead_arguments_name_each_weight_or_nothing():
-    weight, fallback = torch.empty(7, 16, dtype=BF16), torch.empty(2, dtype=BF16)
-    args = pdl.ahead_args((weight,), fallback)
-    assert args["ahead0_ptr"] is weight and args["ahead0_numel"] == 7 * 16
-    assert args["ahead1_ptr"] is fallback and args["ahead1_numel"] == 0
-    strided = weight[:, ::2]  # not contiguous: not one range of bytes to ask for
-    assert pdl.ahead_args((strided, weight), fallback)["ahead0_numel"] == 0
-    with pytest.raises(ValueError, match="at most two"):
-        pdl.ahead_args((weight, weight, weight), fallback)
 
 
 def test_unpacked_model_keeps_one_gemm_per_projection(decode_kernels_here):
