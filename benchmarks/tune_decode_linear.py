@@ -46,11 +46,13 @@ CONFIGS = [
 ]
 
 
-def make_layers(M, K, N, norm, bias, swiglu):
+def make_layers(M, K, N, norm, bias, swiglu, warm=False):
+    """x, residual and LAYERS weight sets; with `warm` all LAYERS calls share one set, so the
+    weight is read from L2 after the first call (what a prefetch ahead can at best give)."""
     rows = 2 * N if swiglu else N
     dev, bf16 = "cuda", torch.bfloat16
     layers = []
-    for _ in range(LAYERS):
+    for _ in range(1 if warm else LAYERS):
         layers.append(
             dict(
                 weight=torch.randn(rows, K, device=dev, dtype=bf16) * K**-0.5,
@@ -60,7 +62,7 @@ def make_layers(M, K, N, norm, bias, swiglu):
         )
     x = torch.randn(M, K, device=dev, dtype=bf16)
     residual = torch.randn(M, K, device=dev, dtype=bf16) if norm else None
-    return x, residual, layers
+    return x, residual, layers * LAYERS if warm else layers
 
 
 def unfused(x, residual, layer, swiglu):
@@ -109,11 +111,11 @@ def time_per_call(step, replays=50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_op(name: str, M: int, quick: bool, bandwidth: float) -> dict:
+def measure_op(name: str, M: int, quick: bool, bandwidth: float, warm: bool = False) -> dict:
     K, N, norm, bias, swiglu = OPS[name]
-    x, residual, layers = make_layers(M, K, N, norm, bias, swiglu)
+    x, residual, layers = make_layers(M, K, N, norm, bias, swiglu, warm)
     floor_us = layers[0]["weight"].numel() * 2 / bandwidth * 1e6
-    row = dict(op=name, rows=M, floor_us=floor_us)
+    row = dict(op=name, rows=M, floor_us=floor_us, warm=warm)
     row["unfused_us"] = time_per_call(lambda i: unfused(x, residual, layers[i], swiglu))
 
     def run(config):
@@ -201,6 +203,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="default configuration only")
     parser.add_argument("--ops", nargs="+", default=list(OPS), help="names from OPS")
     parser.add_argument("--gate-up-grid", action="store_true", help="only gate_up_grid()")
+    parser.add_argument(
+        "--warm", action="store_true", help="one weight set for all calls: read from L2"
+    )
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     results = []
@@ -209,7 +214,7 @@ def main():
         args.ops = []
     for name in args.ops:
         for M in args.rows:
-            row = measure_op(name, M, args.quick, bandwidth)
+            row = measure_op(name, M, args.quick, bandwidth, args.warm)
             results.append(row)
             best = f"{row['best_us']:7.2f} {row['best']}" if "best" in row else ""
             taken = "taken" if row["taken"] else "cuBLAS kept"
