@@ -17,7 +17,10 @@ Why: at 64 rows each weight of a 0.5B layer is read in a few microseconds of mos
 On the H100 cuBLAS ran o_proj (896 x 896) as a split-K GEMM plus a reduction, 8.6 us for 1.6 MB
 (benchmarks/results/profile_decode_step_h100_v3.txt), and SiLU * up was a 4.3 us kernel of its own.
 Here each program owns a block of output columns for all rows and streams its slice of the weight
-(and, for gate/up, the matching up slice), so no split-K, and the SiLU is the epilogue.
+(and, for gate/up, the matching up slice), so no split-K, and the SiLU is the epilogue. Both
+operands arrive by bulk tensor copies (TMA), which zero-fill past the edges, so the loop has no
+masks: alone 0.5-1.3 us faster per linear than cp.async pointer loads with bitwise the same
+results, neutral in the whole decode step (benchmarks/results/tune_decode_linear_tma_h100_v1.txt).
 `benchmarks/tune_decode_linear.py` measured where it wins: 64 rows, weights of at most ~9M elements
 with K <= 1024 (q/k/v, o_proj, gate/up of the 0.5B shape), and the 0.5B down_proj (K = 4864) as
 split-K parts (8.5 us with the norm that reads it, against 10.7 for cuBLAS + norm); cuBLAS stays
@@ -44,12 +47,13 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 
@@ -84,20 +88,19 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr,  # (M, K) rows at stride_x, unit stride on K
-        w_ptr,  # (N, K) rows at stride_w (2N rows with SWIGLU: gate rows, then up rows)
+        x_desc,  # (M, K), block [BM, BK]
+        w_desc,  # (N, K) (2N rows with SWIGLU: gate rows, then up rows), block [BN, BK]
+        w_ptr,  # the same weight, rows at stride_w: its L2 prefetch before the PDL wait
         b_ptr,  # (N,) or (2N,) bias; unused without HAS_BIAS
         out_ptr,  # (M, N) contiguous
         M,
         N,
         K,
-        stride_x,
         stride_w,
         k_per_split,  # with SPLIT_K: the k range of each program along axis 2 (a multiple of BK)
         HAS_BIAS: tl.constexpr,
         SPLIT_K: tl.constexpr,  # store fp32 parts (S, M, N), one per k range, not the sum
         SWIGLU: tl.constexpr,
-        EVEN_K: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
@@ -129,24 +132,17 @@ if triton is not None:
             if SWIGLU:
                 pdl.prefetch_l2(w_ptr + (w_rows + N)[:, None] * stride_w + line_k[None, :], PDL)
         pdl.wait(PDL)
+        # bulk tensor copies (TMA): rows past M or N and columns past K arrive as zeros, so no
+        # masks; a gate tile's columns past N read up rows, which the store below drops
         for k0 in range(k_start, k_end, BK):
-            ks = k0 + tl.arange(0, BK)
-            if EVEN_K:
-                a_ok = row_ok[:, None]
-                w_ok = col_ok[:, None]
-            else:
-                a_ok = row_ok[:, None] & (ks < K)[None, :]
-                w_ok = col_ok[:, None] & (ks < K)[None, :]
-            a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=a_ok, other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0)
+            a = x_desc.load([pid_m * BM, k0])
+            w = w_desc.load([pid_n * BN, k0])
             if DOT_FP32:  # the interpreter has no bf16 dot; fp32 copies are exact
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, tl.trans(w), acc)
             if SWIGLU:
-                w_up = tl.load(
-                    w_ptr + (cols + N)[:, None] * stride_w + ks[None, :], mask=w_ok, other=0.0
-                )
+                w_up = w_desc.load([N + pid_n * BN, k0])
                 if DOT_FP32:
                     w_up = w_up.to(tl.float32)
                 acc_up = tl.dot(a, tl.trans(w_up), acc_up)
@@ -166,14 +162,13 @@ if triton is not None:
 
 
 def pick_config(M: int, N: int, K: int, swiglu: bool) -> dict:
-    """Block sizes measured best on the 0.5B shapes at 64 rows (tune_decode_linear.py): 16
-    output columns per program with 128-wide k steps for q/k/v and o_proj, 32 columns with 64-wide
-    steps for gate/up (two weight tiles per step), 5 pipeline stages; 16 or 32 rows per program
-    when there are that few."""
+    """Block sizes measured best on the 0.5B shapes at 64 rows with the bulk tensor copies
+    (benchmarks/results/tune_decode_linear_tma_h100_v1.txt): 16 output columns per program with
+    128-wide k steps, 6 pipeline stages for q/k/v and o_proj, 3 for gate/up (two weight tiles per
+    step); 16 or 32 rows per program when there are that few."""
     bm = _rows_per_block(M)
-    bn, bk = (32, 64) if swiglu else (16, 128)
-    bk = min(bk, max(16, triton.next_power_of_2(K)))
-    return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=5)
+    bk = min(128, max(16, triton.next_power_of_2(K)))
+    return dict(BM=bm, BN=16, BK=bk, num_warps=4, num_stages=3 if swiglu else 6)
 
 
 def _rows_per_block(M: int) -> int:
@@ -182,7 +177,8 @@ def _rows_per_block(M: int) -> int:
 
 def _decode_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """bf16 on CUDA, unit last strides, at most MAX_ROWS rows and a weight of at most
-    MAX_WEIGHT_ELEMENTS: the products where a kernel of this module can beat cuBLAS."""
+    MAX_WEIGHT_ELEMENTS with 16-byte aligned rows (a bulk tensor copy reads it where it is): the
+    products where a kernel of this module can beat cuBLAS."""
     given = [x, weight] if bias is None else [x, weight, bias]
     return (
         ENABLED
@@ -192,6 +188,8 @@ def _decode_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and x.shape[0] <= MAX_ROWS
         and weight.numel() <= MAX_WEIGHT_ELEMENTS
         and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in given)
+        and _tma_ready(weight) is weight  # read in place, never a copy (the engine's weights
+        # are the trainer's parameters)
     )
 
 
@@ -251,20 +249,19 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
     line = 128 // weight.element_size()
     k_range = k_per_split if k_per_split > 0 else K
     _decode_linear_kernel[grid](
-        x,
+        TensorDescriptor.from_tensor(_tma_ready(x), [bm, cfg["BK"]]),
+        TensorDescriptor.from_tensor(_tma_ready(weight), [cfg["BN"], cfg["BK"]]),
         weight,
         weight if bias is None else bias,
         out,
         M,
         N,
         K,
-        x.stride(0),
         weight.stride(0),
         k_per_split,
         HAS_BIAS=bias is not None,
         SPLIT_K=k_per_split > 0,
         SWIGLU=swiglu,
-        EVEN_K=K % cfg["BK"] == 0,
         BM=bm,
         LIBDEVICE=not _interpreting(),
         DOT_FP32=_interpreting(),
