@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, triton
+from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, tma_readable, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.swiglu import silu_mul
 
@@ -185,11 +185,11 @@ def _decode_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and triton is not None
         and x.is_cuda
         and x.dim() == 2
+        and weight.dim() == 2
         and x.shape[0] <= MAX_ROWS
         and weight.numel() <= MAX_WEIGHT_ELEMENTS
         and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in given)
-        and _tma_ready(weight) is weight  # read in place, never a copy (the engine's weights
-        # are the trainer's parameters)
+        and tma_readable(weight)  # read in place: the engine's weights are the trainer's
     )
 
 

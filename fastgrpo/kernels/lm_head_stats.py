@@ -285,10 +285,18 @@ def aligned_empty(rows, cols, **kwargs):
     return torch.empty(rows, -(-cols // align) * align, **kwargs)[:, :cols]
 
 
+def tma_readable(x) -> bool:
+    """Whether a bulk tensor copy (TMA) can read the 2-D x where it is: row-major, rows and base
+    16-byte aligned."""
+    return (
+        x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+    )
+
+
 def _tma_ready(x):
-    """x itself when a bulk tensor copy (TMA) can read it: row-major, rows and base 16-byte aligned.
-    Otherwise a copy into an `aligned_empty` buffer (TMA reads past its columns as zeros)."""
-    if x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0:
+    """x itself when `tma_readable`, else a copy into an `aligned_empty` buffer (TMA reads past
+    its columns as zeros)."""
+    if tma_readable(x):
         return x
     return aligned_empty(*x.shape, dtype=x.dtype, device=x.device).copy_(x)
 

@@ -315,6 +315,16 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
     assert err.mean() <= 1.5 * own.mean() and err.max() <= 2 * own.max()
 
 
+def test_weights_are_read_in_place_only_when_a_bulk_copy_can_read_them():
+    from fastgrpo.kernels.lm_head_stats import tma_readable
+
+    wide = torch.empty(6, 40, dtype=BF16)
+    assert tma_readable(wide)  # 80-byte rows
+    assert not tma_readable(wide[:, 1:33])  # base 2 bytes past a 16-byte boundary
+    assert not tma_readable(torch.empty(6, 36, dtype=BF16))  # 72-byte rows
+    assert not tma_readable(wide.t())  # column-major
+
+
 def test_unpacked_model_keeps_one_gemm_per_projection(decode_kernels_here):
     model = random_model(LLAMA_LIKE, BF16)  # not packed
     ids, positions, attend = _model_inputs((4,))
