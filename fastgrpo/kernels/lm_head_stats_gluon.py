@@ -61,13 +61,14 @@ _failed = False  # set when the kernel did not compile here: the Triton kernel s
 if gluon is not None:
 
     @gluon.jit
-    def _issue_load(
+    def _load_ahead(
         h_desc,
         w_desc,
         a_smem,
         b_smem,
         ready,
         step,
+        limit,
         row0,
         split,
         n_splits,
@@ -76,17 +77,21 @@ if gluon is not None:
         BLOCK_K: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """Bulk loads of global k step `step` (tile index step // k_tiles) into its stage."""
-        i = step // k_tiles
-        ki = step - i * k_tiles
-        tile = split + i * n_splits
-        s = step % STAGES
-        bar = ready.index(s)
-        mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(h_desc, [row0, ki * BLOCK_K], bar, a_smem.index(s))
-        tma.async_copy_global_to_shared(
-            w_desc, [tile * BLOCK_N, ki * BLOCK_K], bar, b_smem.index(s)
-        )
+        """The bulk loads of global k step `step` (tile index step // k_tiles) into its stage
+        when step < limit; returns the next step to load."""
+        if step < limit:
+            i = step // k_tiles
+            ki = step - i * k_tiles
+            tile = split + i * n_splits
+            s = step % STAGES
+            bar = ready.index(s)
+            mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(h_desc, [row0, ki * BLOCK_K], bar, a_smem.index(s))
+            tma.async_copy_global_to_shared(
+                w_desc, [tile * BLOCK_N, ki * BLOCK_K], bar, b_smem.index(s)
+            )
+            step += 1
+        return step
 
     @gluon.jit
     def _lm_head_stats_gluon_kernel(
@@ -144,25 +149,13 @@ if gluon is not None:
         running_sum = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
         running_pz = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
 
-        issued = n_tiles * 0  # k steps whose loads are issued (a run-time i32, loop-carried)
+        # the loads of k step `issued` are issued next (a run-time i32, loop-carried); one
+        # argument list for the three places that issue them
+        issued = n_tiles * 0
+        ring = (h_desc, w_desc, a_smem, b_smem, ready)
+        tiling = (row0, split, n_splits, k_tiles, BLOCK_N, BLOCK_K, STAGES)
         for _ in gl.static_range(STAGES):  # fill every stage
-            if issued < total:
-                _issue_load(
-                    h_desc,
-                    w_desc,
-                    a_smem,
-                    b_smem,
-                    ready,
-                    issued,
-                    row0,
-                    split,
-                    n_splits,
-                    k_tiles,
-                    BLOCK_N,
-                    BLOCK_K,
-                    STAGES,
-                )
-                issued += 1
+            issued = _load_ahead(*ring, issued, total, *tiling)
 
         g = n_tiles * 0  # the global k step consumed next
         for i in range(0, my_tiles):
@@ -181,45 +174,11 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # step g - 1's wgmma is done, its stage is free: refill it (during this tile's
                 # last k steps, that is the next tile's first ones)
-                if issued < total:
-                    if issued < g + STAGES:
-                        _issue_load(
-                            h_desc,
-                            w_desc,
-                            a_smem,
-                            b_smem,
-                            ready,
-                            issued,
-                            row0,
-                            split,
-                            n_splits,
-                            k_tiles,
-                            BLOCK_N,
-                            BLOCK_K,
-                            STAGES,
-                        )
-                        issued += 1
+                issued = _load_ahead(*ring, issued, gl.minimum(total, g + STAGES), *tiling)
                 g += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             # every stage is free: one more load of the next tile, queued ahead of this store
-            if issued < total:
-                if issued < g + STAGES:
-                    _issue_load(
-                        h_desc,
-                        w_desc,
-                        a_smem,
-                        b_smem,
-                        ready,
-                        issued,
-                        row0,
-                        split,
-                        n_splits,
-                        k_tiles,
-                        BLOCK_N,
-                        BLOCK_K,
-                        STAGES,
-                    )
-                    issued += 1
+            issued = _load_ahead(*ring, issued, gl.minimum(total, g + STAGES), *tiling)
 
             # the epilogue: `lm_head_stats._fold_tile`'s operations, in its order
             if not EVEN_V:
