@@ -21,8 +21,11 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_rollout import print_result_line  # noqa: E402
+from tune_decode_linear import time_per_call  # noqa: E402
 
 from fastgrpo.kernels import pdl  # noqa: E402
+
+REPLAYS = 200
 
 
 @triton.jit
@@ -71,64 +74,42 @@ def _grid_barriers_counted_kernel(count_ptr, out_ptr, rounds, programs):
     tl.store(out_ptr + pid, pid)
 
 
-def time_graph(launches: int, grid: int, warps: int, use_pdl: bool, replays: int = 200) -> float:
-    """Microseconds per launch of a graph of `launches` back-to-back no-op kernels; with use_pdl
-    None, per barrier of one persistent kernel of `grid` programs passing `launches` barriers (a
-    counter and a generation), with "counted" the same with one growing counter."""
-    out = torch.zeros(max(grid, 1), dtype=torch.int32, device="cuda")
-    options = {"PDL": True, "launch_pdl": True} if use_pdl else {"PDL": False}
-    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
-    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
-
-    def body():
-        if use_pdl is None:
-            _grid_barriers_kernel[(grid,)](sync[0:], sync[1:], out, launches, grid, num_warps=warps)
-            return
-        if use_pdl == "counted":
-            _grid_barriers_counted_kernel[(grid,)](counter, out, launches, grid, num_warps=warps)
-            return
-        for _ in range(launches):
-            _noop_kernel[(grid,)](out, num_warps=warps, **options)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays / launches)
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=220)
     args = parser.parse_args()
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(max(528, sms), dtype=torch.int32, device="cuda")
     for use_pdl in (False, True):
+        options = {"PDL": True, "launch_pdl": True} if use_pdl else {"PDL": False}
         for grid, warps in ((1, 4), (sms, 4), (304, 4), (528, 8)):
-            us = time_graph(args.launches, grid, warps, use_pdl)
+
+            def launch(_, grid=grid, warps=warps, options=options):
+                _noop_kernel[(grid,)](out, num_warps=warps, **options)
+
+            us = time_per_call(launch, REPLAYS, calls=args.launches)
             rows.append(dict(pdl=use_pdl, grid=grid, warps=warps, us_per_launch=us))
             print(
                 f"PDL {int(use_pdl)}  grid {grid:4d} x {warps} warps  {us:6.2f} us per launch  "
                 f"({us * args.launches:7.1f} us for {args.launches})",
                 flush=True,
             )
+    generation = torch.zeros(2, dtype=torch.int32, device="cuda")  # counter, generation
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
     for kind, warps in (("generation", 4), ("generation", 8), ("counted", 4), ("counted", 8)):
-        us = time_graph(args.launches, sms, warps, None if kind == "generation" else kind)
+
+        def barriers(_, kind=kind, warps=warps):
+            if kind == "generation":
+                _grid_barriers_kernel[(sms,)](
+                    generation[0:], generation[1:], out, args.launches, sms, num_warps=warps
+                )
+            else:
+                _grid_barriers_counted_kernel[(sms,)](
+                    counter, out, args.launches, sms, num_warps=warps
+                )
+
+        us = time_per_call(barriers, REPLAYS, calls=1) / args.launches
         rows.append(dict(persistent=kind, grid=sms, warps=warps, us_per_barrier=us))
         print(
             f"one persistent kernel ({kind:10s}), grid {sms} x {warps} warps: {us:6.2f} us per "

@@ -85,17 +85,18 @@ def kernel(x, residual, layer, swiglu, config):
     return decode_linear.linear_triton(h, layer["weight"], layer["bias"], swiglu, config)
 
 
-def time_per_call(step, replays=50) -> float:
-    """Microseconds per call of `step(layer_index)`, 24 calls in one CUDA graph."""
+def time_per_call(step, replays=50, calls=LAYERS) -> float:
+    """Microseconds per call of `step(i)`, calls i = 0 .. calls - 1 captured in one CUDA graph
+    (24 by default, one per layer), the graph replayed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(LAYERS):  # warm-up: compile and autotune outside the capture
+        for i in range(calls):  # warm-up: compile and autotune outside the capture
             step(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(LAYERS):
+        for i in range(calls):
             step(i)
     graph.replay()
     torch.cuda.synchronize()
@@ -107,7 +108,7 @@ def time_per_call(step, replays=50) -> float:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays / LAYERS)
+        times.append(start.elapsed_time(end) * 1000 / replays / calls)
     return sorted(times)[len(times) // 2]
 
 
