@@ -109,8 +109,10 @@ def sweep(c, h, v, dw_configs, dh_configs, dw_dtype):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
-    parser.add_argument("--dw-configs", help="e.g. 256,128,64,8,4;256,128,64,8,3,1,1 ( for none)")
-    parser.add_argument("--dh-configs", help="e.g. 128,256,64,8,3,4 ( for none)")
+    parser.add_argument(
+        "--dw-configs", help="e.g. 256,128,64,8,4;256,128,64,8,3,1,1 (an empty string for none)"
+    )
+    parser.add_argument("--dh-configs", help="e.g. 128,256,64,8,3,4 (an empty string for none)")
     parser.add_argument("--dw-dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     dw_configs = DW_CONFIGS if args.dw_configs is None else _configs(args.dw_configs)
