@@ -27,8 +27,16 @@ rows of a prompt are neighbours in launch order, so their repeated reads of the 
 served by L2. Stacking G x rep queries into one tile would only save tensor-core work, which a
 decode step, bound by memory, has to spare.
 
+`rope_decode_attention` is the decode step's RoPE, KV-cache write and attention in that one
+kernel: every program rotates its own query heads, and the program of the last key split rotates
+the new key, stores it and v at the step's slot, and folds it into its softmax from registers (no
+program reads that slot, which may not be written yet). On an H100 this took the 0.5B decode step
+at 64 rows from 1.036 to 0.998 ms (one launch fewer per layer; benchmarks/results/
+rollout_rope_attention_h100_v1.txt). The kernel is latency-bound (one warp per scheduler, ~1200
+instructions per warp, ncu in the same file), so positions and offsets inside a sequence are int32.
+
 Reference: `decode_attention_ref` (einsum over padded caches, masks for prompt lengths and the
-step). It is the spec and the CPU path.
+step). It is the spec and the CPU path; `rope_decode_attention_ref` adds `rope.rope_write_kv_ref`.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ import os
 import torch
 
 from fastgrpo.kernels import pdl
+from fastgrpo.kernels.kv_write import check_cache_write
 from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, multiprocessors, triton
+from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
 
 if triton is not None:
     import triton.language as tl
@@ -47,6 +57,8 @@ if triton is not None:
 # FASTGRPO_DECODE_ATTENTION=ref keeps CUDA tensors on the reference (to compare or to bisect)
 USE_TRITON = os.environ.get("FASTGRPO_DECODE_ATTENTION", "triton") != "ref"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FASTGRPO_ROPE_ATTENTION=0 keeps the decode step's RoPE + KV write a kernel of its own (to compare)
+ROPE_IN_ATTENTION = os.environ.get("FASTGRPO_ROPE_ATTENTION", "1") != "0"
 # FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
 SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
 # FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
@@ -85,6 +97,17 @@ def decode_attention_ref(
 if triton is not None:
 
     @triton.jit
+    def _rotate_rows(x, x_swapped, cos_row, sin_signed):
+        """Rows of x (R, D) rotated as `rope.apply_rope_qk_` rotates them, bitwise: with
+        x_swapped the row's halves exchanged and sin_signed = cat(-sin1, sin2), x * cos +
+        x_swapped * sin_signed, each product rounded to x's dtype before the fp32 add, as torch's
+        separate kernels round them (see kernels/rope.py)."""
+        dtype = x.dtype
+        a = (x.to(tl.float32) * cos_row[None, :]).to(dtype).to(tl.float32)
+        c = (x_swapped.to(tl.float32) * sin_signed[None, :]).to(dtype).to(tl.float32)
+        return (a + c).to(dtype)
+
+    @triton.jit
     def _fold_keys(
         q,  # (REP_PAD, D) queries of one kv head, in the cache dtype
         pk_base,
@@ -107,20 +130,25 @@ if triton is not None:
         through tl.dot; a block that straddles the two parts reads each key from its own cache.
         One loop over both parts fills the pipeline once per program, not once per part: the 0.5B
         decode step at 64 rows on an H100 took 1.023 ms mean against 1.047 with a loop per part
-        (three pairs in one run, benchmarks/results/rollout_ab_h100_v2.txt). Returns the running
-        max (REP_PAD,), sum (REP_PAD,) and output (REP_PAD, D) of the online softmax, all fp32."""
+        (three pairs in one run, benchmarks/results/rollout_ab_h100_v2.txt).
+
+        Key positions and offsets inside one sequence are int32 (a sequence's cache rows are far
+        below 2^31 elements; the int64 part is in the base pointers), and the choice between the
+        two caches is made once per key, not per element: the loop is latency-bound, one warp per
+        scheduler, so every integer instruction it drops is time. Returns the running max
+        (REP_PAD,), sum (REP_PAD,) and output (REP_PAD, D) of the online softmax, all fp32."""
         m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D)
+        offs_d = tl.arange(0, D)[None, :]
         for block in range(start, stop, BLOCK_N):
-            keys = block + offs_n  # (BLOCK_N,) int64
+            keys = block + offs_n  # (BLOCK_N,) int32
             valid = keys < stop
             in_prompt = keys < n_prompt
-            row = tl.where(in_prompt, keys, keys - n_prompt)[:, None] * stride_n + offs_d[None, :]
-            k_at = tl.where(in_prompt[:, None], pk_base + row, ck_base + row)
-            k = tl.load(k_at, mask=valid[:, None], other=0.0)
+            row = tl.where(in_prompt, keys, keys - n_prompt) * stride_n  # (BLOCK_N,) int32
+            k_at = tl.where(in_prompt, pk_base, ck_base) + row
+            k = tl.load(k_at[:, None] + offs_d, mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale2  # (REP_PAD, BN)
             s = tl.where(valid[None, :], s, float("-inf"))
             # every block holds a valid key, so m_new is finite and no row sees -inf - -inf
@@ -128,8 +156,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])  # (REP_PAD, BLOCK_N)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v_at = tl.where(in_prompt[:, None], pv_base + row, cv_base + row)
-            v = tl.load(v_at, mask=valid[:, None], other=0.0)
+            v_at = tl.where(in_prompt, pv_base, cv_base) + row
+            v = tl.load(v_at[:, None] + offs_d, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         return m_i, l_i, acc
@@ -142,12 +170,22 @@ if triton is not None:
         lens_ptr,  # (P,) valid prompt keys
         ck_ptr,
         cv_ptr,  # (B, Tc, nkv, D) contiguous
-        step_ptr,  # () completion slots 0..step are valid
+        step_ptr,  # () completion slots 0..step are valid (with ROPE, slot step is written here)
         out_ptr,  # (B, nh, D) when SPLIT is false; else (S, B, nh, D) fp32 partial outputs
         m_ptr,
         l_ptr,  # (S, B, nh) fp32 partial max and sum (base 2), written when SPLIT
+        kn_ptr,
+        vn_ptr,  # with ROPE: (B, nkv, D) this step's k (not yet rotated) and v; else unused
+        cos_ptr,
+        sin_ptr,  # with ROPE: (B, D) each row's cos and sin; else unused
         stride_qb,
         stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_vb,
+        stride_vh,
+        stride_cb,
+        stride_sb,
         B,
         G,
         Lp,
@@ -160,25 +198,38 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        ROPE: tl.constexpr,  # rotate q and k here and write k, v at slot `step` (see below)
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         pdl.start(PDL)
         pdl.wait(PDL)
-        b = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         n_splits = tl.num_programs(2)
-        prompt = b // G
+        prompt = b // G  # int32: one division instruction sequence, not int64's
         heads = kvh * REP + tl.arange(0, REP_PAD)  # (REP_PAD,) query heads of this kv head
         head_ok = tl.arange(0, REP_PAD) < REP
         offs_d = tl.arange(0, D)
-        q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_at, mask=head_ok[:, None], other=0.0)  # (REP_PAD, D)
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_row + offs_d[None, :], mask=head_ok[:, None], other=0.0)  # (REP_PAD, D)
+        step = tl.load(step_ptr)
+        if ROPE:
+            # this row's q heads rotated here; the new key is not read from the cache (another
+            # split may not have written it yet) but folded in from registers after the loop
+            swapped = (offs_d + D // 2) % D
+            cos_row = tl.load(cos_ptr + b.to(tl.int64) * stride_cb + offs_d).to(tl.float32)
+            sin_row = tl.load(sin_ptr + b.to(tl.int64) * stride_sb + offs_d).to(tl.float32)
+            sin_signed = tl.where(offs_d < D // 2, -sin_row, sin_row)
+            q_swapped = tl.load(q_row + swapped[None, :], mask=head_ok[:, None], other=0.0)
+            q = _rotate_rows(q, q_swapped, cos_row, sin_signed)
+            n_comp = tl.minimum(step, Tc).to(tl.int32)  # cached slots 0..step-1
+        else:
+            n_comp = tl.minimum(step + 1, Tc).to(tl.int32)
 
-        n_prompt = tl.minimum(tl.load(lens_ptr + prompt).to(tl.int64), Lp)
-        n_comp = tl.minimum(tl.load(step_ptr).to(tl.int64) + 1, Tc)
-        prompt_at = (prompt * Lp * NKV + kvh) * D
-        comp_at = (b * Tc * NKV + kvh) * D
+        n_prompt = tl.minimum(tl.load(lens_ptr + prompt), Lp).to(tl.int32)
+        prompt_at = (prompt.to(tl.int64) * Lp * NKV + kvh) * D
+        comp_at = (b.to(tl.int64) * Tc * NKV + kvh) * D
         # this split's share of the joined keys, whole blocks; split 0 always holds key 0
         n_all = n_prompt + n_comp
         chunk = tl.cdiv(tl.cdiv(n_all, n_splits), BLOCK_N) * BLOCK_N
@@ -198,8 +249,28 @@ if triton is not None:
             BLOCK_N,
             DOT_PRECISION,
         )
+        if ROPE:
+            if split == n_splits - 1:  # the last split also owns the new key: rotate, store, fold
+                k_at = kn_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+                k_new = tl.load(k_at + offs_d)[None, :]
+                k_swapped = tl.load(k_at + swapped)[None, :]
+                k_new = _rotate_rows(k_new, k_swapped, cos_row, sin_signed)  # (1, D)
+                v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh + offs_d)
+                slot_at = comp_at + step * (NKV * D) + offs_d  # (D,) in (B, Tc, nkv, D)
+                tl.store(ck_ptr + slot_at[None, :], k_new)
+                tl.store(cv_ptr + slot_at, v_new)
+                # the tensor cores' products of 16-bit values are exact in fp32, as here; only
+                # the order of the fp32 sum differs from a key read by the loop's tl.dot
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale2
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s_new - m_new)
+                l_i = l_i * alpha + p
+                p_v = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                acc = acc * alpha[:, None] + p_v
+                m_i = m_new
 
-        rows = b * (NKV * REP) + heads  # (REP_PAD,) flat (b, head) index
+        rows = b.to(tl.int64) * (NKV * REP) + heads  # (REP_PAD,) flat (b, head) index
         if SPLIT:
             at = split.to(tl.int64) * B * (NKV * REP) + rows
             tl.store(m_ptr + at, m_i, mask=head_ok)
@@ -321,24 +392,32 @@ def decode_attention_triton(
     step,
     splits: int | None = None,
     blocks: tuple[int, int, int] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(B, nh, d) in q's dtype, as `decode_attention_ref`, by the Triton kernel. No host sync:
     safe to capture in a CUDA graph and replay with `step` (and `prompt_lens`) changed in place.
     `splits` overrides the number of key splits per (row, kv head) (tests), `blocks` the
-    (BLOCK_N, num_warps, num_stages) of `_blocks` (tuning)."""
+    (BLOCK_N, num_warps, num_stages) of `_blocks` (tuning). With `rope` = (k, v, cos, sin), q is
+    not yet rotated: see `rope_decode_attention`."""
     if triton is None:
         raise RuntimeError("the Triton decode-attention kernel needs `pip install triton`")
     _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step)
+    if rope is not None:
+        _check_rope_inputs(q, comp_k, comp_v, *rope)
     P, Lp, nkv, d = prompt_k.shape
     B, nh, _ = q.shape
     Tc, rep = comp_k.shape[1], nh // nkv
     out_dtype = q.dtype
+    k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)
+    caches = (comp_k, comp_v)
     if _interpreting() and q.dtype == torch.bfloat16:
         # The interpreter (numpy) has no bf16; fp32 copies are exact, and the GPU's bf16 dot
-        # multiplies exactly and accumulates in fp32, so only the bf16 rounding of p differs.
-        q, prompt_k, prompt_v, comp_k, comp_v = (
-            t.float() for t in (q, prompt_k, prompt_v, comp_k, comp_v)
+        # multiplies exactly and accumulates in fp32, so only the bf16 rounding of p (and, with
+        # rope, of the rotation's products) differs. The new k and v are written back below.
+        q, prompt_k, prompt_v, k_new, v_new, cos, sin = (
+            t.float() for t in (q, prompt_k, prompt_v, k_new, v_new, cos, sin)
         )
+        comp_k, comp_v = comp_k.float(), comp_v.float()
     block_n, warps, stages = blocks or _blocks()
     if splits is None:
         splits = _num_splits(B, nkv, Lp + Tc, block_n, q.device)
@@ -361,8 +440,18 @@ def decode_attention_triton(
         partial,
         m,
         l_s,
+        k_new,
+        v_new,
+        cos,
+        sin,
         q.stride(0),
         q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+        sin.stride(0),
         B,
         B // P,
         Lp,
@@ -375,8 +464,11 @@ def decode_attention_triton(
         BLOCK_N=block_n,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None,
         num_warps=warps,
         num_stages=stages,
+        # as the RoPE kernel: no contraction of the rotation's rounded products into an FMA
+        enable_fp_fusion=rope is None,
         **pdl.launch_options(),
     )
     if splits > 1:
@@ -391,7 +483,28 @@ def decode_attention_triton(
             S_PAD=triton.next_power_of_2(splits),
             **pdl.launch_options(),
         )
+    if rope is not None and caches[0] is not comp_k:  # the interpreter's fp32 copies
+        caches[0].copy_(comp_k)
+        caches[1].copy_(comp_v)
     return out
+
+
+def _check_rope_inputs(q, comp_k, comp_v, k, v, cos, sin) -> None:
+    """What the kernel's RoPE and KV write assume of k, v (B, nkv, d) and cos, sin (B, d)."""
+    check_cache_write(comp_k, comp_v, k, v)
+    B, nh, d = q.shape
+    if cos.shape != (B, d) or sin.shape != (B, d):
+        raise ValueError(
+            f"cos and sin must be (B, d) = {(B, d)}, got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    if d % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {d}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    if any(t.stride(-1) != 1 for t in (k, v, cos, sin)):
+        raise ValueError("k, v, cos and sin need unit stride on their last dim")
+    if any(t.device != q.device for t in (k, v, cos, sin)):
+        raise ValueError("all decode attention inputs must live on one device")
 
 
 def _kernel_serves(q, prompt_k) -> bool:
@@ -414,3 +527,31 @@ def decode_attention(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step):
     if _kernel_serves(q, prompt_k):
         return decode_attention_triton(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step)
     return decode_attention_ref(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step)
+
+
+def rope_decode_attention_ref(
+    q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot
+):
+    """A decode step's RoPE (q and k rotated in place), KV write at completion slot `slot` and
+    attention over slots 0..slot: `rope.rope_write_kv_ref`, then `decode_attention_ref`."""
+    rope_write_kv_ref(q, k, v, cos, sin, comp_k, comp_v, slot)
+    return decode_attention_ref(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+
+
+def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot):
+    """`rope_decode_attention_ref` in one kernel on CUDA tensors it supports (FASTGRPO_ROPE_
+    ATTENTION=0 keeps two launches: `rope.rope_write_kv_` then `decode_attention`). q and k are
+    (B, nh, d) and (B, nkv, d) not yet rotated, v (B, nkv, d), cos and sin (B, d) each row's
+    table row, `slot` a () device tensor; returns (B, nh, d). The kernel leaves q and k as they
+    are (the reference rotates them in place); the caches get the rotated k and v either way.
+
+    Why: the separate RoPE kernel was one of nine launches per layer of the decode step, each a
+    link in a chain of dependent kernels; here every program rotates its own query heads (7 x 64
+    values at the 0.5B shape) while its first keys load, and the program of the last key split
+    rotates and stores the new key and folds it into its softmax from registers."""
+    if ROPE_IN_ATTENTION and _kernel_serves(q, prompt_k):
+        return decode_attention_triton(
+            q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot, rope=(k, v, cos, sin)
+        )
+    rope_write_kv_(q, k, v, cos, sin, comp_k, comp_v, slot)
+    return decode_attention(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.decode_attention import decode_attention
+from fastgrpo.kernels.decode_attention import decode_attention, rope_decode_attention
 from fastgrpo.kernels.kv_write import write_kv
-from fastgrpo.kernels.rope import rope_write_kv_
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -80,22 +79,14 @@ class DecodeAttention:
 
     def __call__(self, layer: int, q, k, v):
         write_kv(self.cache.comp_k[layer], self.cache.comp_v[layer], k, v, self.slot)
-        return self._attend(layer, q)
+        return decode_attention(q, *self._caches(layer), self.slot)
 
     def rope_and_attend(self, layer: int, q, k, v, cos, sin):
-        """As __call__ for q and k not yet rotated: the rotation and the KV write are one kernel."""
-        c = self.cache
-        rope_write_kv_(q, k, v, cos, sin, c.comp_k[layer], c.comp_v[layer], self.slot)
-        return self._attend(layer, q)
+        """As __call__ for q and k not yet rotated: on a GPU the rotation, the KV write and the
+        attention are one kernel (`rope_decode_attention`)."""
+        return rope_decode_attention(q, k, v, cos, sin, *self._caches(layer), self.slot)
 
-    def _attend(self, layer: int, q):
+    def _caches(self, layer: int):
+        """(prompt_k, prompt_v, prompt_lens, comp_k, comp_v) of one layer, as the kernels take them."""
         c = self.cache
-        return decode_attention(
-            q,
-            c.prompt_k[layer],
-            c.prompt_v[layer],
-            c.prompt_lens,
-            c.comp_k[layer],
-            c.comp_v[layer],
-            self.slot,
-        )
+        return c.prompt_k[layer], c.prompt_v[layer], c.prompt_lens, c.comp_k[layer], c.comp_v[layer]

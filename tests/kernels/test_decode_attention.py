@@ -125,11 +125,15 @@ def test_launcher_rejects_what_the_kernel_cannot_read():
 REAL = {"nh14-nkv2-d64": (14, 2, 64), "nh28-nkv4-d128": (28, 4, 128)}
 
 
-def _real_inputs(nh, nkv, d, step, seed=0):
-    """B=64 rows (16 prompts x 4 samples), prompts of 1..128 tokens (one full), 256 slots, bf16."""
+def _real_case(nh, nkv, d, step, seed=0):
+    """B=64 rows (16 prompts x 4 samples), prompts of 1..128 tokens (one full), 256 slots."""
     lens = torch.randint(1, 129, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
     lens[0] = 128
-    return _inputs(16, 4, nh, nkv, d, 128, 256, lens, step, torch.bfloat16, seed=seed)
+    return (16, 4, nh, nkv, d, 128, 256, lens, step)
+
+
+def _real_inputs(nh, nkv, d, step, seed=0):
+    return _inputs(*_real_case(nh, nkv, d, step, seed), torch.bfloat16, seed=seed)
 
 
 @pytest.mark.gpu
@@ -166,3 +170,100 @@ def test_kernel_captured_in_a_cuda_graph_follows_the_step_changed_in_place(split
         want = _float64_ref(*args)
         own = (_ref_with_rounded_probs(*args).double() - want).abs().max()
         assert (out.double() - want).abs().max() <= 2 * own + 1e-3, value
+
+
+def _rope_inputs(case, dtype=torch.float32, seed=0):
+    """The attention inputs of `case` plus this step's k and v (B, nkv, d) before they are in
+    the cache, cos and sin (B, d) at each row's position (Llama tables: angles cat(f, f)), and q
+    as the (B, nh, d) view of a packed qkv row, as the decode step hands them over."""
+    q, pk, pv, lens, ck, cv, step = _inputs(*case, dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    B, nh, d = q.shape
+    nkv = ck.shape[2]
+    packed = torch.randn(B, (nh + 2 * nkv) * d, generator=gen).to(dtype).to(DEVICE)
+    q_view = packed[:, : nh * d].view(B, nh, d)
+    q_view.copy_(q)
+    k = packed[:, nh * d : (nh + nkv) * d].view(B, nkv, d)
+    v = packed[:, (nh + nkv) * d :].view(B, nkv, d)
+    positions = torch.randint(0, 4096, (B, 1), generator=gen).double()
+    freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.cat([positions * freqs, positions * freqs], 1)
+    cos, sin = (f(angles).to(dtype).to(DEVICE) for f in (torch.cos, torch.sin))
+    return (q_view, k, v, cos, sin, pk, pv, lens, ck, cv, step)
+
+
+def _rope_reference(inputs):
+    """The two-kernel path's result on copies: (attention output, caches after the write)."""
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, step = (
+        t.clone() if t.is_floating_point() else t for t in inputs
+    )
+    out = ops.rope_decode_attention_ref(q, k, v, cos, sin, pk, pv, lens, ck, cv, step)
+    return out, ck, cv, (q, pk, pv, lens, ck, cv, step)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_rope_in_the_kernel_matches_rope_then_attention(case, splits):
+    inputs = _rope_inputs(case)
+    q_before, k_before = inputs[0].clone(), inputs[1].clone()
+    want, want_ck, want_cv, rotated = _rope_reference(inputs)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, step = inputs
+    out = ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, splits, rope=(k, v, cos, sin))
+    # the caches: the rotated k and the v at the slot, bitwise as the RoPE kernel writes them
+    assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)
+    assert not torch.equal(ck[:, step], k)  # the key was rotated (positions are not all 0)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # read, never written
+    assert (out - want).abs().max() <= 1e-5
+    assert (out.double() - _float64_ref(*rotated)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_in_the_kernel_rounds_the_rotation_as_the_rope_kernel_in_half_precision(dtype):
+    inputs = _rope_inputs(CASES["rep7-G3-last-slot"], dtype=dtype, seed=2)
+    want, want_ck, want_cv, rotated = _rope_reference(inputs)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, step = inputs
+    out = ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, 2, rope=(k, v, cos, sin))
+    assert torch.equal(cv, want_cv)
+    slack = 1e-6
+    if dtype == torch.float16 or ON_GPU:
+        assert torch.equal(ck, want_ck)
+    else:  # the interpreter's fp32 copies round the rotated q and k once (k at the write-back),
+        # not each product first: an ulp of the products apart, and the output with them
+        assert torch.allclose(ck.float(), want_ck.float(), rtol=2**-7, atol=2**-6)
+        assert torch.equal(ck[:, :step], want_ck[:, :step])
+        slack = 1e-2
+    exact = _float64_ref(*rotated)
+    own = (_ref_with_rounded_probs(*rotated).double() - exact).abs().max()
+    assert (out.double() - exact).abs().max() <= 2 * own + slack
+
+
+def test_rope_public_function_keeps_cpu_tensors_on_the_two_step_reference():
+    inputs = tuple(t.cpu() for t in _rope_inputs(CASES["rep2-G3-last-slot"]))
+    want, want_ck, want_cv, _ = _rope_reference(inputs)
+    out = ops.rope_decode_attention(*inputs)
+    assert torch.equal(out, want)
+    assert torch.equal(inputs[8], want_ck) and torch.equal(inputs[9], want_cv)
+
+
+def test_rope_launcher_rejects_tables_of_the_wrong_shape():
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, step = _rope_inputs(CASES["rep2-G3-last-slot"])
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, rope=(k, v, cos[:, :8], sin))
+    with pytest.raises(ValueError, match="expected"):
+        ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, rope=(k[:, :1], v, cos, sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("step", [0, 100, 255])
+@pytest.mark.parametrize("heads", REAL.values(), ids=REAL.keys())
+def test_bf16_rope_in_the_kernel_at_a_real_shape(heads, step, splits):
+    inputs = _rope_inputs(_real_case(*heads, step, seed=step), dtype=torch.bfloat16, seed=step)
+    _, want_ck, want_cv, rotated = _rope_reference(inputs)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
+    out = ops.decode_attention_triton(q, pk, pv, lens, ck, cv, slot, splits, rope=(k, v, cos, sin))
+    assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)  # bitwise the RoPE kernel's
+    want = _float64_ref(*rotated)
+    own = (_ref_with_rounded_probs(*rotated).double() - want).abs().max()
+    assert (out.double() - want).abs().max() <= 2 * own + 1e-3
