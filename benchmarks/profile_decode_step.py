@@ -1,12 +1,14 @@
 """Kernel-level profile of the engine's decode steps.
 
-0.5B shape, random bf16 weights, prompt 128, 33 new tokens, 64 rows (64 prompts x 1 sample, or
+0.5B shape, random bf16 weights, prompt 128, 33 new tokens (--new-tokens), 64 rows (64 prompts x 1 sample, or
 e.g. 8 x 8 with --prompts 8 --samples 8). Default: eager steps (no CUDA graph, so each kernel runs
 alone) and the top CUDA kernels. With --graph: the steps replayed from the captured graph, as a
 rollout runs them, and per kernel its count and mean duration inside the replay (with programmatic
-dependent launch a kernel starts before the previous one ends, so durations overlap), the decode
-step's span and how much of it no kernel covers.
-Run on a CUDA GPU:  python benchmarks/profile_decode_step.py [--prompts P --samples G] [--graph]
+dependent launch a kernel starts before the previous one ends, so durations overlap) and its
+"frontier" time (how far its end moves past the ends of all kernels before it: its share of the
+step when kernels form a chain), the decode step's span and how much of it no kernel covers.
+Run on a CUDA GPU:
+    python benchmarks/profile_decode_step.py [--prompts P --samples G] [--graph] [--new-tokens T]
 """
 
 import argparse
@@ -44,23 +46,27 @@ def replay_table(prof, steps: int) -> str:
     first, last = sampler[-steps - 1] + 1, sampler[-1]
     window = kernels[first : last + 1]
     per_name = defaultdict(list)
+    # each kernel's "frontier" share: how far it moves the latest end of all kernels so far, in
+    # start order. In a chain of dependent kernels that is its share of the step's time; the
+    # shares add up to the time some kernel is running.
+    frontier = defaultdict(float)
+    covered, reach = 0.0, window[0].time_range.start
     for e in window:
         per_name[e.name].append(e.time_range.elapsed_us())
-    lines = [f"{'kernel':<60} {'per step':>8} {'mean us':>8} {'us/step':>8}"]
-    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+        start, end = max(e.time_range.start, reach), e.time_range.end
+        if end > start:
+            covered += end - start
+            frontier[e.name] += end - start
+        reach = max(reach, end)
+    lines = [f"{'kernel':<60} {'per step':>8} {'mean us':>8} {'us/step':>8} {'frontier':>8}"]
+    rows = sorted(per_name.items(), key=lambda kv: -frontier[kv[0]])
     for name, durations in rows:
         total = sum(durations) / steps
         lines.append(
             f"{name[:60]:<60} {len(durations) / steps:8.1f} "
-            f"{sum(durations) / len(durations):8.2f} {total:8.1f}"
+            f"{sum(durations) / len(durations):8.2f} {total:8.1f} {frontier[name] / steps:8.1f}"
         )
     span = window[-1].time_range.end - window[0].time_range.start
-    covered, reach = 0.0, window[0].time_range.start
-    for e in window:
-        start, end = max(e.time_range.start, reach), e.time_range.end
-        if end > start:
-            covered += end - start
-        reach = max(reach, end)
     lines.append(
         f"{len(window) / steps:.1f} kernels per step; step span {span / steps:.1f} us; "
         f"no kernel running {100 * (1 - covered / span):.1f}% of it"
@@ -73,6 +79,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--graph", action="store_true", help="profile the graph replay")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens per row")
     args = parser.parse_args()
     model = native_model("0.5B")
     prompts = prompts_of(args.prompts, 128, model.config.vocab_size)
@@ -85,11 +92,11 @@ def main():
         )
         torch.cuda.synchronize()
 
-    run(NEW_TOKENS)  # compiles, and captures the graph of this wave shape
+    run(args.new_tokens)  # compiles, and captures the graph of this wave shape
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(NEW_TOKENS)
+        run(args.new_tokens)
     if args.graph:
-        print(replay_table(prof, NEW_TOKENS - 2))  # the replayed steps, less one at the edge
+        print(replay_table(prof, args.new_tokens - 2))  # the replayed steps, less one at the edge
         return
     table = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=25, max_name_column_width=70

@@ -26,7 +26,7 @@ from tune_decode_linear import LAYERS, time_per_call  # noqa: E402
 from fastgrpo.kernels import decode_attention  # noqa: E402
 
 # (BLOCK_N, num_warps, num_stages)
-BLOCKS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 2)]
+BLOCKS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 2), (256, 4, 3)]
 # name: (prompts, samples, q heads, kv heads, head dim, prompt length, completion slots, step)
 SHAPES = {
     "A 0.5B 64x1": (64, 1, 14, 2, 64, 128, 255, 128),
@@ -56,7 +56,8 @@ def measure(name, bandwidth):
     nbytes = 2 * nkv * d * 2 * (P * Lp + B * (step + 1))
     floor_us = nbytes / bandwidth * 1e6
     rows = []
-    default = decode_attention._num_splits(B, nkv, Lp + Tc, decode_attention._blocks()[0], q.device)
+    default_blocks = decode_attention._blocks(B, nkv, d)
+    default = decode_attention._num_splits(B, nkv, Lp + Tc, default_blocks[0], q.device)
     for splits, blocks in itertools.product((1, 2, 3, 4), BLOCKS):
 
         def call(i, splits=splits, blocks=blocks):
@@ -75,7 +76,7 @@ def measure(name, bandwidth):
                 shape=name, splits=splits, blocks=blocks, us=us, floor_us=floor_us, default=default
             )
         )
-        mark = "  (default)" if (splits, blocks) == (default, decode_attention._blocks()) else ""
+        mark = "  (default)" if (splits, blocks) == (default, default_blocks) else ""
         print(
             f"{name:<14} splits {splits} blocks {blocks}: {us:6.2f} us (floor {floor_us:5.2f})"
             f"{mark}",

@@ -309,14 +309,21 @@ if triton is not None:
         tl.store(out_ptr + r * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def _blocks() -> tuple[int, int, int]:
+def _blocks(rows: int = 0, nkv: int = 1, d: int = 128) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Small blocks in the interpreter, so that tiny test
-    caches still span several blocks and partial ones. Not yet tuned on the H100: 64 keys per
-    block keeps a [64, 128] bf16 tile of keys and one of values (32 KB) in flight per stage."""
+    caches still span several blocks and partial ones. On a GPU, 64-key blocks, 2 stages; but
+    when rows x kv heads are at most one program per multiprocessor and d <= 64, 256-key blocks
+    with 3 stages, which take a 0.5B decode step's keys (prompt 128 + up to 256) in one or two
+    iterations and, through `_num_splits`, with no key split and no merge kernel: on an H100 at 64
+    rows 6.95 us alone with the RoPE against 8.70, and the step 0.985 ms against 0.998 (three
+    pairs, benchmarks/results/rollout_rope_attention_h100_v1.txt). Their 130 KB of shared memory
+    would leave one program per multiprocessor, so more programs keep the small blocks."""
     if _interpreting():
         return 16, 4, 1
     if len(BLOCKS) == 3:
         return BLOCKS
+    if d <= 64 and 0 < rows * nkv <= multiprocessors():
+        return 256, 4, 3
     return 64, 4, 2
 
 
@@ -418,7 +425,7 @@ def decode_attention_triton(
             t.float() for t in (q, prompt_k, prompt_v, k_new, v_new, cos, sin)
         )
         comp_k, comp_v = comp_k.float(), comp_v.float()
-    block_n, warps, stages = blocks or _blocks()
+    block_n, warps, stages = blocks or _blocks(B, nkv, d)
     if splits is None:
         splits = _num_splits(B, nkv, Lp + Tc, block_n, q.device)
     out = torch.empty(B, nh, d, dtype=out_dtype, device=q.device)
