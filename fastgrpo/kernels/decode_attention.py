@@ -556,7 +556,8 @@ def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, co
     link in a chain of dependent kernels; here every program rotates its own query heads (7 x 64
     values at the 0.5B shape) while its first keys load, and the program of the last key split
     rotates and stores the new key and folds it into its softmax from registers."""
-    if ROPE_IN_ATTENTION and _kernel_serves(q, prompt_k):
+    readable = all(t.stride(-1) == 1 for t in (k, v, cos, sin))
+    if ROPE_IN_ATTENTION and readable and _kernel_serves(q, prompt_k):
         return decode_attention_triton(
             q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot, rope=(k, v, cos, sin)
         )
