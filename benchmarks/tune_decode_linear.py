@@ -43,6 +43,8 @@ OPS = {
 CONFIGS = [
     dict(BN=bn, BK=bk, num_warps=w, num_stages=s)
     for bn, bk, (w, s) in itertools.product((16, 32, 64, 128), (64, 128), ((4, 3), (4, 5), (8, 4)))
+] + [  # 256-wide k steps: half the k loop's barrier round trips at K = 896 (not yet measured)
+    dict(BN=bn, BK=256, num_warps=4, num_stages=s) for bn, s in itertools.product((16, 32), (2, 3))
 ]
 
 
