@@ -1,8 +1,9 @@
 """The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode_linear.py`) at
 several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul). Both
 sides run the add_rms_norm kernel before q/k/v and gate/up, so the difference is the linear (and,
-for gate/up, the SiLU * up kernel that the kernel's epilogue replaces). For down_proj also the
-pair (down_proj, the norm that reads it) with down_proj as split-K parts the norm adds up.
+for gate/up, the SiLU * up kernel that the kernel's epilogue replaces). For down_proj and o_proj
+also the pair (the product, the norm that reads it) with the product as split-K parts the norm
+adds up.
 
 Each op is timed as it runs in a decode step: 24 calls (one per layer, each with its own weights, so
 nothing stays in L2 between calls) captured in one CUDA graph, the graph replayed; the time per call
@@ -125,7 +126,10 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float, warm: bool = Fa
         return time_per_call(lambda i: kernel(x, residual, layers[i], swiglu, config))
 
     row["kernel_us"] = run(None)
-    if name.endswith("down"):  # down_proj and the norm that reads it: cuBLAS vs split-K parts
+    if name.endswith(("down", "o_proj")):
+        # the product and the residual add + norm that reads it (the next layer's, for down_proj;
+        # the post-attention one, for o_proj): cuBLAS or the kernel, against split-K parts that
+        # the norm adds up
         norm_weight = torch.ones(N, device="cuda", dtype=torch.bfloat16)
         stream = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
 
@@ -133,15 +137,21 @@ def measure_op(name: str, M: int, quick: bool, bandwidth: float, warm: bool = Fa
             out = F.linear(x, layers[i]["weight"])
             return add_rms_norm(out, stream, norm_weight, 1e-6)
 
+        def kernel_then_norm(i):
+            out = decode_linear.linear_triton(x, layers[i]["weight"], None)
+            return add_rms_norm(out, stream, norm_weight, 1e-6)
+
         def split_then_norm(i):
             sums = decode_linear.linear_split_sums(x, layers[i]["weight"])
             return add_rms_norm(sums, stream, norm_weight, 1e-6)
 
         row["cublas_then_norm_us"] = time_per_call(cublas_then_norm)
+        row["kernel_then_norm_us"] = time_per_call(kernel_then_norm)
         row["split_sums_then_norm_us"] = time_per_call(split_then_norm)
         row["split_k"] = decode_linear.split_k_config(M, N, K)
         split_sweep = []
-        for bn, k_split, stages in itertools.product((16, 32, 64, 128), (256, 512, 1024), (3, 5)):
+        k_splits = (256, 512, 1024) if K > 1024 else (128, 256, 384, 512)
+        for bn, k_split, stages in itertools.product((16, 32, 64, 128), k_splits, (3, 5)):
             config = dict(BN=bn, BK=128, k_per_split=k_split, num_stages=stages)
 
             def split_config_then_norm(i, config=config):
@@ -222,7 +232,8 @@ def main():
             best = f"{row['best_us']:7.2f} {row['best']}" if "best" in row else ""
             taken = "taken" if row["taken"] else "cuBLAS kept"
             split = (
-                f"  + norm: cuBLAS {row['cublas_then_norm_us']:6.2f}, split-K parts "
+                f"  + norm: cuBLAS {row['cublas_then_norm_us']:6.2f}, kernel "
+                f"{row['kernel_then_norm_us']:6.2f}, split-K parts "
                 f"{row['split_sums_then_norm_us']:6.2f}"
                 if "split_k" in row
                 else ""
