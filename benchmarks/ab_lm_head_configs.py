@@ -17,17 +17,16 @@ Run on a CUDA GPU:  python benchmarks/ab_lm_head_configs.py --shape 16384x896x15
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_logprob import fused_loss, make_inputs  # noqa: E402
+from bench_rollout import print_result_line  # noqa: E402
 
 from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
 from fastgrpo.kernels import lm_head_stats as stats  # noqa: E402
@@ -94,16 +93,8 @@ def main():
     print(f"{'variant':<16} {'median ms':>10} {'min':>8} {'max':>8}")
     for name, t in times.items():
         print(f"{name:<16} {statistics.median(t):10.3f} {min(t):8.3f} {max(t):8.3f}")
-    print(
-        json.dumps(
-            {
-                "bench": "ab_lm_head_configs",
-                "gpu": torch.cuda.get_device_name(),
-                "shape": [n, h, v],
-                "variants": {name: {"settings": s, "ms": times[name]} for name, s in variants},
-            }
-        )
-    )
+    results = [dict(variant=name, settings=s, ms=times[name]) for name, s in variants]
+    print_result_line("ab_lm_head_configs", results, shape=[n, h, v])
 
 
 if __name__ == "__main__":
