@@ -1,12 +1,13 @@
 """Kernel-level profile of the engine's decode steps.
 
-0.5B shape, random bf16 weights, prompt 128, 33 new tokens (--new-tokens), 64 rows (64 prompts x 1 sample, or
-e.g. 8 x 8 with --prompts 8 --samples 8). Default: eager steps (no CUDA graph, so each kernel runs
-alone) and the top CUDA kernels. With --graph: the steps replayed from the captured graph, as a
-rollout runs them, and per kernel its count and mean duration inside the replay (with programmatic
-dependent launch a kernel starts before the previous one ends, so durations overlap) and its
-"frontier" time (how far its end moves past the ends of all kernels before it: its share of the
-step when kernels form a chain), the decode step's span and how much of it no kernel covers.
+0.5B shape, random bf16 weights, prompt 128, 33 new tokens (--new-tokens), 64 rows (64 prompts x
+1 sample, or e.g. 8 x 8 with --prompts 8 --samples 8). Default: eager steps (no CUDA graph, so
+each kernel runs alone) and the top CUDA kernels. With --graph: the steps replayed from the
+captured graph, as a rollout runs them, and per kernel its count and mean duration inside the
+replay (with programmatic dependent launch a kernel starts before the previous one ends, so
+durations overlap) and its "frontier" time (how far its end moves past the ends of all kernels
+before it: its share of the step when kernels form a chain), the decode step's span and how much
+of it no kernel covers.
 Run on a CUDA GPU:
     python benchmarks/profile_decode_step.py [--prompts P --samples G] [--graph] [--new-tokens T]
 """
