@@ -67,6 +67,10 @@ class RolloutEngine:
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=self.device)
         self.pad_id = pad_id
         self.memory_bytes = memory_bytes
+        if check_every < 1:
+            raise ValueError(
+                f"check_every must be at least 1 (steps between checks), got {check_every}"
+            )
         self.check_every = check_every
         self.cuda_graphs = cuda_graphs
         self._kept: dict[tuple, WaveBuffers] = {}

@@ -158,6 +158,28 @@ def test_rows_end_at_the_first_of_several_stop_tokens_and_are_padded_after():
     assert out.finished[0] and int(out.lengths[0]) <= 3
 
 
+def test_how_often_the_host_checks_for_finished_rows_changes_no_result():
+    """The host looks at the finish flags every `check_every` steps (a rollout whose rows have all
+    stopped ends at the next look): any spacing gives the same rollout."""
+    _, ours = tiny_pair("llama", seed=4)
+    params = SamplingParams(1.0)
+    free = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    stop = int(free.generate(PROMPTS, num_samples=2, max_new_tokens=4, params=params).tokens[0, 1])
+    outs = [
+        RolloutEngine(ours, stop_ids=[stop], pad_id=0, check_every=every).generate(
+            PROMPTS, num_samples=2, max_new_tokens=13, params=params
+        )
+        for every in (1, 5, 12, 50)
+    ]
+    assert outs[0].finished.any() and outs[0].lengths.min() < 13
+    for out in outs[1:]:
+        assert torch.equal(out.tokens, outs[0].tokens)
+        assert torch.equal(out.logp, outs[0].logp)
+        assert torch.equal(out.lengths, outs[0].lengths)
+    with pytest.raises(ValueError, match="check_every must be at least 1"):
+        RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, check_every=0)
+
+
 def test_the_engine_samples_from_the_models_current_weights_with_no_copy():
     _, ours = tiny_pair("llama", seed=5)
     engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=1)
