@@ -163,12 +163,17 @@ if triton is not None:
 
 def pick_config(M: int, N: int, K: int, swiglu: bool) -> dict:
     """Block sizes measured best on the 0.5B shapes at 64 rows with the bulk tensor copies
-    (benchmarks/results/tune_decode_linear_tma_h100_v1.txt): 16 output columns per program with
-    128-wide k steps, 6 pipeline stages for q/k/v and o_proj, 3 for gate/up (two weight tiles per
-    step); 16 or 32 rows per program when there are that few."""
+    (benchmarks/results/tune_decode_linear_tma_h100_v1.txt): 128-wide k steps; 16 output columns
+    per program with 6 pipeline stages for q/k/v and o_proj; 32 with 3 stages for gate/up (two
+    weight tiles per step), which reads the rows half as often: 11.30 against 11.65 us with its
+    norm, and -14 us per decode step over 24 paired rounds in one process, 17 of them faster
+    (benchmarks/results/decode_step_checks_h100_v1.txt); 16 or 32 rows per program when there
+    are that few."""
     bm = _rows_per_block(M)
     bk = min(128, max(16, triton.next_power_of_2(K)))
-    return dict(BM=bm, BN=16, BK=bk, num_warps=4, num_stages=3 if swiglu else 6)
+    if swiglu:
+        return dict(BM=bm, BN=32, BK=bk, num_warps=4, num_stages=3)
+    return dict(BM=bm, BN=16, BK=bk, num_warps=4, num_stages=6)
 
 
 def _rows_per_block(M: int) -> int:

@@ -1,0 +1,127 @@
+"""Small changes to the decode step, compared in one process: workload A of bench_rollout.py (0.5B
+shape, 64 rows, prompt 128, 256 new tokens) with each variant in turn, over several rounds.
+
+Why: separate `bench_rollout.py` runs of one configuration spread by 2-4% (new weights, new
+allocations, another process), which hides the 10-30 us a kernel-level change moves. Here every
+variant runs on the same weights and prompts, the rounds alternate the variants, and each round's
+difference to the baseline is a paired sample: the table gives the mean and the spread of those.
+
+A variant sets module attributes (the settings the decode kernels read at each launch, which their
+FASTGRPO_* variables set at import) and gets a fresh engine, so its graph is captured with them.
+Variants (`--variants`, the first is the baseline):
+  default                 the settings as committed
+  default-again           the same, measured as if it were a change (the harness's own noise)
+  attention-256-8-3       decode attention with 256-key blocks, 8 warps, 3 stages, one split
+  attention-512-8-2       512-key blocks, 8 warps, 2 stages, one split
+  gate-up-bn16            the gate/up linear with 16 output columns per program (32 as committed)
+  pdl-off                 programmatic dependent launch off: a known loss (~57 us per step in
+                          results/rollout_pdl_ab_h100_v1.txt), to show the harness sees one
+Prints a table, then one JSON line. Run on a CUDA GPU:
+    python benchmarks/ab_decode_step.py [--rounds 8] [--variants default attention-256-8-3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
+
+from fastgrpo.kernels import decode_attention, decode_linear, pdl  # noqa: E402
+from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
+
+NEW_TOKENS = 256
+_committed_pick_config = decode_linear.pick_config
+
+
+def _gate_up_bn16(M: int, N: int, K: int, swiglu: bool) -> dict:
+    config = _committed_pick_config(M, N, K, swiglu)
+    return dict(config, BN=16) if swiglu else config
+
+
+VARIANTS = {
+    "default": {},
+    "default-again": {},
+    "attention-256-8-3": {
+        (decode_attention, "BLOCKS"): (256, 8, 3),
+        (decode_attention, "SPLITS"): 1,
+    },
+    "attention-512-8-2": {
+        (decode_attention, "BLOCKS"): (512, 8, 2),
+        (decode_attention, "SPLITS"): 1,
+    },
+    "gate-up-bn16": {(decode_linear, "pick_config"): _gate_up_bn16},
+    "pdl-off": {(pdl, "ENABLED"): False},
+}
+
+
+def apply(patches: dict) -> dict:
+    """Set the attributes; return what they were."""
+    before = {key: getattr(*key) for key in patches}
+    for (module, name), value in patches.items():
+        setattr(module, name, value)
+    return before
+
+
+def step_ms(model, prompts) -> float:
+    """ms per decode step of a fresh engine (its graphs captured under the current settings)."""
+    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
+    engine = RolloutEngine(model, stop_ids=[never], pad_id=0)
+
+    def seconds(new_tokens):
+        return timed(
+            lambda: engine.generate(
+                prompts, num_samples=1, max_new_tokens=new_tokens, params=PARAMS, seed=1
+            )
+        )
+
+    return (seconds(NEW_TOKENS) - seconds(1)) / (NEW_TOKENS - 1) * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME"
+    )
+    args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2 (the spread needs two paired samples)")
+    model = native_model("0.5B")
+    prompts = prompts_of(64, 128, model.config.vocab_size)
+    times = {name: [] for name in args.variants}
+    for r in range(args.rounds):
+        for name in args.variants:
+            before = apply(VARIANTS[name])
+            try:
+                times[name].append(step_ms(model, prompts))
+            finally:
+                apply(before)
+            torch.cuda.empty_cache()
+        print(f"round {r}: " + "  ".join(f"{n} {t[-1]:.3f}" for n, t in times.items()), flush=True)
+    base = args.variants[0]
+    results = []
+    print(f"{'variant':<20} {'mean ms':>8} {'vs ' + base + ' (us)':>22} {'sd (us)':>8} {'wins':>5}")
+    for name, ms in times.items():
+        diffs = [1e3 * (a - b) for a, b in zip(ms, times[base])]
+        mean_diff, sd = statistics.mean(diffs), statistics.stdev(diffs)
+        wins = sum(d < 0 for d in diffs)
+        print(
+            f"{name:<20} {statistics.mean(ms):8.3f} {mean_diff:22.1f} {sd:8.1f} "
+            f"{wins:>2}/{len(diffs)}"
+        )
+        results.append(
+            dict(variant=name, ms_per_step=ms, mean_diff_us=mean_diff, sd_diff_us=sd, wins=wins)
+        )
+    print_result_line("ab_decode_step", results, baseline=base, rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
