@@ -13,7 +13,10 @@ Variants (`--variants`, the first is the baseline):
   default-again           the same, measured as if it were a change (the harness's own noise)
   attention-256-8-3       decode attention with 256-key blocks, 8 warps, 3 stages, one split
   attention-512-8-2       512-key blocks, 8 warps, 2 stages, one split
-  gate-up-bn16            the gate/up linear with 16 output columns per program (32 as committed)
+  gate-up-bn16            the Triton gate/up kernel with 16 output columns per program (32 as
+                          committed), the Gluon one off
+  gluon-gate-up-off       gate/up by the Triton kernel instead of the Gluon one (Hopper)
+  gluon-gate-up-exact     the Gluon gate/up with libdevice's exp and the IEEE division
   pdl-off                 programmatic dependent launch off: a known loss (~57 us per step in
                           results/rollout_pdl_ab_h100_v1.txt), to show the harness sees one
 Prints a table, then one JSON line. Run on a CUDA GPU:
@@ -34,7 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
 
-from fastgrpo.kernels import decode_attention, decode_linear, pdl  # noqa: E402
+from fastgrpo.kernels import (  # noqa: E402
+    decode_attention,
+    decode_linear,
+    decode_linear_gluon,
+    pdl,
+)
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 NEW_TOKENS = 256
@@ -57,7 +65,12 @@ VARIANTS = {
         (decode_attention, "BLOCKS"): (512, 8, 2),
         (decode_attention, "SPLITS"): 1,
     },
-    "gate-up-bn16": {(decode_linear, "pick_config"): _gate_up_bn16},
+    "gate-up-bn16": {
+        (decode_linear, "pick_config"): _gate_up_bn16,
+        (decode_linear_gluon, "ENABLED"): False,
+    },
+    "gluon-gate-up-off": {(decode_linear_gluon, "ENABLED"): False},
+    "gluon-gate-up-exact": {(decode_linear_gluon, "EXACT_EPILOGUE"): True},
     "pdl-off": {(pdl, "ENABLED"): False},
 }
 

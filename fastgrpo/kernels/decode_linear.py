@@ -46,7 +46,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.kernels import pdl
+from fastgrpo.kernels import decode_linear_gluon, pdl
 from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, tma_readable, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.swiglu import silu_mul
@@ -335,6 +335,10 @@ def linear(
     """x @ weight.T + bias (then silu(gate) * up with swiglu): the kernel where `takes`, else
     cuBLAS (+ the SiLU * up kernel on CUDA)."""
     if takes(x, weight, bias):
+        if swiglu and decode_linear_gluon.applies(x, weight, bias):
+            out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+            if decode_linear_gluon.launch(x, weight, out):
+                return out
         return linear_triton(x, weight, bias, swiglu)
     out = F.linear(x, weight, bias)
     if swiglu:
