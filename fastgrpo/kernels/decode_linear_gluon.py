@@ -42,7 +42,7 @@ import warnings
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import multiprocessors
+from fastgrpo.kernels.lm_head_stats import multiprocessors, tma_readable
 
 try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written against triton 3.6
     import triton
@@ -214,13 +214,6 @@ def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """Row-major with 16-byte aligned rows and base: what a bulk tensor copy (TMA) reads."""
-    return (
-        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-    )
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the Gluon kernel serves this gate/up product: bf16 x (M <= 64, K <= 1024) and
     packed weight (2I, K) on a Hopper GPU (sm_90), both readable in place by bulk tensor copies,
@@ -240,8 +233,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         and weight.shape[1] == x.shape[1]
         and weight.shape[0] % 2 == 0
         and weight.shape[0] > 0
-        and _aligned(x)
-        and _aligned(weight)
+        and tma_readable(x)
+        and tma_readable(weight)
         and _hopper(x.device.index)
     )
 
