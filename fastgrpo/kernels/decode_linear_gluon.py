@@ -1,5 +1,5 @@
-"""The decode step's gate/up + SiLU * up in Gluon for Hopper GPUs: the Triton kernel's results bit
-for bit, with its activation read once per program and its weight streamed ahead.
+"""The decode step's gate/up + SiLU * up in Gluon for Hopper GPUs: the Triton kernel's product with
+its activation read once per program and its weight streamed ahead.
 
 What: `launch(x, weight, out)` computes silu(x @ gate.T) * (x @ up.T) into `out` (M, I) for a
 decode batch x (M <= 64, K <= 1024) and a packed gate/up weight (2I, K), gate rows first, as
@@ -18,14 +18,14 @@ pipeline starts its weight loads only after the wait. A kernel that only streams
 (17.4 MB) with 8 KB boxes takes 7.5 us in a graph of 24, and 1-4 KB boxes are up to 5x slower
 (benchmarks/results/spike_stream_gluon_h100_v1.txt). On the H100 at 64 rows of the 0.5B shape:
 9.4-9.5 us alone against 10.9 for the Triton kernel, 10.7-10.8 after the norm against 11.2-11.5,
-and -12 to -21 us per decode step in three runs of 12-14 paired rounds
+and -12 to -21 us per decode step in four runs of 12-14 paired rounds
 (benchmarks/results/gate_up_gluon_h100_v1.txt).
 
 Numerics: fp32 accumulation over k in the Triton kernel's order, gate and up rounded to bf16,
 silu(gate) = gate / (1 + exp(-gate)) rounded to bf16, the product rounded once. The exp and the
 division are the GPU's approximate ones (a few fp32 ulps), not libdevice's exp and the IEEE
-division of the Triton kernel and torch: with those (`EXACT_EPILOGUE`, FASTGRPO_GLUON_GATE_UP_EXACT=1)
-the kernel is the Triton kernel's bit for bit but no faster in the decode step (its epilogue runs
+division of the Triton kernel and torch: with those (`EXACT_EPILOGUE`,
+FASTGRPO_GLUON_GATE_UP_EXACT=1) the kernel is the Triton kernel's bit for bit but no faster in the decode step (its epilogue runs
 on one warpgroup per multiprocessor, with nothing to hide it), while the approximate epilogue
 gave the same bf16 outputs on 683,264 of 683,264 elements tested and -12 to -21 us per step. The
 GPU tests bound the rare 1-ulp bf16 difference.
