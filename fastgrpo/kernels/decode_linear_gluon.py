@@ -24,11 +24,11 @@ and -12 to -21 us per decode step in four runs of 12-14 paired rounds
 Numerics: fp32 accumulation over k in the Triton kernel's order, gate and up rounded to bf16,
 silu(gate) = gate / (1 + exp(-gate)) rounded to bf16, the product rounded once. The exp and the
 division are the GPU's approximate ones (a few fp32 ulps), not libdevice's exp and the IEEE
-division of the Triton kernel and torch: with those (`EXACT_EPILOGUE`,
-FASTGRPO_GLUON_GATE_UP_EXACT=1) the kernel is the Triton kernel's bit for bit but no faster in the decode step (its epilogue runs
-on one warpgroup per multiprocessor, with nothing to hide it), while the approximate epilogue
-gave the same bf16 outputs on 683,264 of 683,264 elements tested and -12 to -21 us per step. The
-GPU tests bound the rare 1-ulp bf16 difference.
+division of the Triton kernel and torch. With those (`EXACT_EPILOGUE`,
+FASTGRPO_GLUON_GATE_UP_EXACT=1) the kernel is the Triton kernel's bit for bit but no faster in
+the decode step: its epilogue runs on one warpgroup per multiprocessor, with nothing to hide it.
+The approximate epilogue gave the same bf16 outputs on 683,264 of 683,264 elements tested and
+-12 to -21 us per step; the GPU tests bound the rare 1-ulp bf16 difference.
 
 Reference: `decode_linear.linear_ref`; the Triton kernel is the path everywhere else.
 """
