@@ -11,7 +11,8 @@ What:
   add + RMSNorm (a layer's down_proj): with a long K, `linear_split_sums` gives fp32 parts over k
   ranges (`rms_norm.SplitSums`) that the norm kernel sums, a split-K GEMM with no reduction kernel.
 Each uses a Triton kernel where it measured faster than cuBLAS (`takes`, `takes_split_sums`), else
-F.linear (+ the `swiglu` kernel), so a caller may use them for any shape.
+F.linear (+ the `swiglu` kernel), so a caller may use them for any shape. On Hopper GPUs the
+gate/up product goes to the Gluon kernel of `decode_linear_gluon` where it applies.
 
 Why: at 64 rows each weight of a 0.5B layer is read in a few microseconds of mostly fixed cost.
 On the H100 cuBLAS ran o_proj (896 x 896) as a split-K GEMM plus a reduction, 8.6 us for 1.6 MB
