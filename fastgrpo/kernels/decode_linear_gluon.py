@@ -35,7 +35,6 @@ Reference: `decode_linear.linear_ref`; the Triton kernel is the path everywhere 
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -43,6 +42,7 @@ import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import multiprocessors, tma_readable
+from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout
 
 try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written against triton 3.6
     import triton
@@ -209,11 +209,6 @@ if gluon is not None:
         mbarrier.invalidate(x_ready.index(0))
 
 
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the Gluon kernel serves this gate/up product: bf16 x (M <= 64, K <= 1024) and
     packed weight (2I, K) on a Hopper GPU (sm_90), both readable in place by bulk tensor copies,
@@ -237,10 +232,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         and tma_readable(weight)
         and _hopper(x.device.index)
     )
-
-
-def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
