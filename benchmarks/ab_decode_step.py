@@ -11,12 +11,15 @@ FASTGRPO_* variables set at import) and gets a fresh engine, so its graph is cap
 Variants (`--variants`, the first is the baseline):
   default                 the settings as committed
   default-again           the same, measured as if it were a change (the harness's own noise)
-  attention-256-8-3       decode attention with 256-key blocks, 8 warps, 3 stages, one split
-  attention-512-8-2       512-key blocks, 8 warps, 2 stages, one split
+  attention-256-8-3       the Triton decode attention with 256-key blocks, 8 warps, 3 stages,
+                          one split (the Gluon one off)
+  attention-512-8-2       the same with 512-key blocks, 8 warps, 2 stages
   gate-up-bn16            the Triton gate/up kernel with 16 output columns per program (32 as
                           committed), the Gluon one off
   gluon-gate-up-off       gate/up by the Triton kernel instead of the Gluon one (Hopper)
   gluon-gate-up-exact     the Gluon gate/up with libdevice's exp and the IEEE division
+  gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
+                          (Hopper)
   pdl-off                 programmatic dependent launch off: a known loss (~57 us per step in
                           results/rollout_pdl_ab_h100_v1.txt), to show the harness sees one
 Prints a table, then one JSON line. Run on a CUDA GPU:
@@ -39,6 +42,7 @@ from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, t
 
 from fastgrpo.kernels import (  # noqa: E402
     decode_attention,
+    decode_attention_gluon,
     decode_linear,
     decode_linear_gluon,
     pdl,
@@ -60,10 +64,12 @@ VARIANTS = {
     "attention-256-8-3": {
         (decode_attention, "BLOCKS"): (256, 8, 3),
         (decode_attention, "SPLITS"): 1,
+        (decode_attention_gluon, "ENABLED"): False,
     },
     "attention-512-8-2": {
         (decode_attention, "BLOCKS"): (512, 8, 2),
         (decode_attention, "SPLITS"): 1,
+        (decode_attention_gluon, "ENABLED"): False,
     },
     "gate-up-bn16": {
         (decode_linear, "pick_config"): _gate_up_bn16,
@@ -71,6 +77,7 @@ VARIANTS = {
     },
     "gluon-gate-up-off": {(decode_linear_gluon, "ENABLED"): False},
     "gluon-gate-up-exact": {(decode_linear_gluon, "EXACT_EPILOGUE"): True},
+    "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
     "pdl-off": {(pdl, "ENABLED"): False},
 }
 

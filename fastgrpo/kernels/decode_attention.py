@@ -46,7 +46,7 @@ import os
 
 import torch
 
-from fastgrpo.kernels import pdl
+from fastgrpo.kernels import decode_attention_gluon, pdl
 from fastgrpo.kernels.kv_write import check_cache_write
 from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, multiprocessors, triton
 from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
@@ -558,6 +558,14 @@ def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, co
     rotates and stores the new key and folds it into its softmax from registers."""
     readable = all(t.stride(-1) == 1 for t in (k, v, cos, sin))
     if ROPE_IN_ATTENTION and readable and _kernel_serves(q, prompt_k):
+        _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+        _check_rope_inputs(q, comp_k, comp_v, k, v, cos, sin)
+        if decode_attention_gluon.applies(q, k, v, cos, sin, prompt_k, comp_k):
+            out = decode_attention_gluon.launch(
+                q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot
+            )
+            if out is not None:
+                return out
         return decode_attention_triton(
             q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot, rope=(k, v, cos, sin)
         )

@@ -36,13 +36,12 @@ Reference: `decode_linear.linear_ref`; the Triton kernel is the path everywhere 
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import multiprocessors, tma_readable
-from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout
+from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, warn_not_compiled
 
 try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written against triton 3.6
     import triton
@@ -262,11 +261,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
         )
     except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)
         _failed = True
-        warnings.warn(
-            f"the Gluon gate/up kernel did not compile with triton {triton.__version__} "
-            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); using the Triton "
-            "kernel instead (the same results, ~20 us per decode step slower at 0.5B)",
-            stacklevel=2,
+        warn_not_compiled(
+            "the Gluon gate/up kernel",
+            error,
+            "the Triton kernel (the same results, ~20 us per decode step slower at 0.5B)",
         )
         return False
     return True

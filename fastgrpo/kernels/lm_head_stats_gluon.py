@@ -237,6 +237,17 @@ def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 
 
+def warn_not_compiled(kernel: str, error: Exception, instead: str) -> None:
+    """The one warning a Gluon kernel's launcher gives when the kernel does not compile with the
+    installed triton (the Gluon API it was written against, 3.6, has moved): which kernel, why,
+    and what serves instead. The launcher also sets its module's `_failed`, so it warns once."""
+    warnings.warn(
+        f"{kernel} did not compile with triton {triton.__version__} ({type(error).__name__}: "
+        f"{str(error).splitlines()[0][:200]}); using {instead} instead",
+        stacklevel=3,
+    )
+
+
 def launch(hidden, weight, scale2, stats, probs_out, reference, entropy) -> bool:
     """The statistics of TMA-ready bf16 `hidden` (N, H) and `weight` (V, H) into `stats` (3, S, N)
     and 2^(z2 - reference) into `probs_out` (N, V), as `lm_head_stats._launch_stats` (which checks
@@ -273,11 +284,10 @@ def launch(hidden, weight, scale2, stats, probs_out, reference, entropy) -> bool
         )
     except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)
         _failed = True
-        warnings.warn(
-            f"the Gluon LM-head statistics kernel did not compile with triton "
-            f"{triton.__version__} ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
-            "using the Triton kernel instead (the same results; ~10% slower with the store)",
-            stacklevel=2,
+        warn_not_compiled(
+            "the Gluon LM-head statistics kernel",
+            error,
+            "the Triton kernel (the same results; ~10% slower with the store)",
         )
         return False
     return True

@@ -1,0 +1,293 @@
+"""The decode step's RoPE, KV write and attention in Gluon for Hopper GPUs, with the cached keys and
+values loaded by bulk tensor copies before the programmatic-dependent-launch wait.
+
+What: `launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)` does what
+`decode_attention.rope_decode_attention` does (see `rope_decode_attention_ref`): rotates this step's
+q and k, writes k and v at completion slot `slot`, and returns the attention of each row's queries
+over its prompt's keys, its completion slots 0..slot-1 and the new key. `applies` says where it
+serves: bf16 on a Hopper GPU, head dim 64 or 128, at most 16 query heads per kv head, and at least
+one program per two multiprocessors (with fewer rows the Triton kernel's key splits serve better).
+
+How: one program per (row, kv head), 4 warps. The prompt's keys and the row's cached completion
+keys are walked in blocks of BLOCK_N keys (prompt blocks, then completion blocks), each block's
+keys and values one TMA box apiece through a ring of STAGES shared-memory stages. The cache
+contents were written before this graph replay started (earlier steps' kernels, and the prefill),
+so the ring's first loads are issued before the PDL wait, while the previous kernel (q/k/v's
+GEMM) still runs; only q, the new k and v, and cos/sin wait. The rep query heads are the rows of
+a [16, D] tile for mma_v2 (m16n8k16; wgmma's 64 rows would be 7/64 full at the 0.5B shape); an
+online softmax in base 2 over the blocks, then the new key, rotated and stored at the slot, folded
+in from registers as the Triton kernel folds it.
+
+Why: the Triton kernel computes every key's address (a pointer per element, chosen between the
+two caches) and loads only after the wait. On an H100 at the 0.5B shape and 64 rows, a spike of
+this kernel without RoPE took 4.2 us per call at slots 64-128 and 6.2 at slot 255, against 5.1-5.7
+and 8.4 for the Triton kernel with RoPE; this kernel took the decode step from 0.963 to 0.941 ms
+(-22 us, 8 of 10 paired rounds; benchmarks/results/decode_attention_gluon_h100_v1.txt).
+
+Numerics: q and the new key rotated as `_rotate_rows` rotates them (each product rounded to bf16,
+the fp32 sum rounded), so the cache gets the Triton kernel's bits; scores and outputs are fp32 sums
+of exact bf16 products like the Triton kernel's, in another order (other block sizes), so outputs
+may differ from it by bf16 rounding.
+
+Caveat (the pre-wait loads): they are correct because every decode step's cache writes complete
+before the next step's kernels start: each step is its own CUDA graph replay, and an eager step
+holds plain launches (the LM head's cuBLAS GEMM) that end every PDL chain. A decode step with no
+such boundary between steps would need the loads after the wait. FASTGRPO_GLUON_ATTENTION=0 keeps
+the Triton kernel.
+
+Reference: `decode_attention.rope_decode_attention_ref`; the Triton kernel serves everywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from fastgrpo.kernels import decode_linear_gluon, pdl
+from fastgrpo.kernels.lm_head_stats import LOG2E, multiprocessors
+from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, warn_not_compiled
+
+gluon = decode_linear_gluon.gluon
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fastgrpo.kernels.decode_linear_gluon import _pdl_start, _pdl_wait
+
+ENABLED = os.environ.get("FASTGRPO_GLUON_ATTENTION", "1") != "0"
+QUERY_ROWS = 16
+"""The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
+_failed = False
+
+
+def blocks(d: int) -> tuple[int, int]:
+    """(BLOCK_N, STAGES): 128-key blocks, 3 stages at d = 64 (96 KB of shared memory, so the
+    program fits beside a q/k/v GEMM's and its loads start early); 64-key blocks, 3 stages at
+    d = 128 (the same bytes)."""
+    return (128, 3) if d <= 64 else (64, 3)
+
+
+if gluon is not None:
+    _ROWS = gl.constexpr(QUERY_ROWS)
+
+    @gluon.jit
+    def _issue(
+        pk_desc, pv_desc, ck_desc, cv_desc, k_smem, v_smem, ready,
+        i, total, n_prompt_blocks, prompt_row0, comp_row0, col,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Block i's keys and values into its stage when i < total; returns i + 1."""
+        if i < total:
+            stage = i % STAGES
+            bar = ready.index(stage)
+            mbarrier.expect(bar, 2 * pk_desc.block_type.nbytes)
+            if i < n_prompt_blocks:
+                row = prompt_row0 + i * BLOCK_N
+                tma.async_copy_global_to_shared(pk_desc, [row, col], bar, k_smem.index(stage))
+                tma.async_copy_global_to_shared(pv_desc, [row, col], bar, v_smem.index(stage))
+            else:
+                row = comp_row0 + (i - n_prompt_blocks) * BLOCK_N
+                tma.async_copy_global_to_shared(ck_desc, [row, col], bar, k_smem.index(stage))
+                tma.async_copy_global_to_shared(cv_desc, [row, col], bar, v_smem.index(stage))
+        return i + 1
+
+    @gluon.jit
+    def _rotate(x, x_swapped, cos_row, sin_signed):
+        """`decode_attention._rotate_rows`: x * cos + x_swapped * sin_signed, each product
+        rounded to x's dtype before the fp32 sum, the sum rounded."""
+        dtype: gl.constexpr = x.dtype
+        a = (x.to(gl.float32) * cos_row).to(dtype).to(gl.float32)
+        c = (x_swapped.to(gl.float32) * sin_signed).to(dtype).to(gl.float32)
+        return (a + c).to(dtype)
+
+    @gluon.jit
+    def _attention_kernel(
+        q_ptr,  # (B, nh, D): heads D apart, rows stride_q apart
+        k_ptr,
+        v_ptr,  # (B, nkv, D) this step's k (not yet rotated) and v: heads D apart
+        cos_ptr,
+        sin_ptr,  # (B, D) each row's cos and sin
+        pk_desc,
+        pv_desc,  # prompt caches as (P * Lp, nkv * D), box [BLOCK_N, D]
+        ck_desc,
+        cv_desc,  # completion caches as (B * Tc, nkv * D), box [BLOCK_N, D]
+        ck_ptr,
+        cv_ptr,  # the completion caches (B, Tc, nkv, D), for the slot's write
+        out_ptr,  # (B, nh, D) contiguous
+        lens_ptr,  # (P,) valid prompt keys
+        slot_ptr,  # (): completion slots 0..slot-1 are cached; the new k, v go to `slot`
+        stride_q,
+        stride_k,
+        stride_v,
+        stride_cos,
+        stride_sin,
+        G,
+        Lp,
+        Tc,
+        scale2,  # log2(e) / sqrt(D)
+        NKV: gl.constexpr,
+        REP: gl.constexpr,
+        D: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        PDL: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        b = pid // NKV
+        kvh = pid % NKV
+        prompt = b // G
+        k_smem = gl.allocate_shared_memory(pk_desc.dtype, [STAGES, BLOCK_N, D], pk_desc.layout)
+        v_smem = gl.allocate_shared_memory(pk_desc.dtype, [STAGES, BLOCK_N, D], pk_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for z in gl.static_range(STAGES):
+            mbarrier.init(ready.index(z), count=1)
+        fence_async_shared()
+        _pdl_start(PDL)
+
+        # the cached keys first: written before this replay started (see the module's caveat)
+        n_prompt = gl.minimum(gl.load(lens_ptr + prompt), Lp).to(gl.int32)
+        slot = gl.load(slot_ptr)
+        n_comp = gl.minimum(slot, Tc).to(gl.int32)
+        n_prompt_blocks = gl.cdiv(n_prompt, BLOCK_N)
+        total = n_prompt_blocks + gl.cdiv(n_comp, BLOCK_N)
+        ring = (pk_desc, pv_desc, ck_desc, cv_desc, k_smem, v_smem, ready)
+        rows0 = (prompt * Lp, b * Tc, kvh * D)
+        issued = total * 0
+        for _ in gl.static_range(STAGES):
+            issued = _issue(*ring, issued, total, n_prompt_blocks, *rows0, BLOCK_N, STAGES)
+        _pdl_wait(PDL)
+
+        # q's rep heads, rotated, as a [16, D] tile (rows past REP are zeros)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        heads = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, blk))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        swapped = (offs_d + D // 2) % D
+        head_ok = gl.expand_dims(heads < REP, 1)
+        q_row = q_ptr + b.to(gl.int64) * stride_q + gl.expand_dims(kvh * REP + heads, 1) * D
+        q = gl.load(q_row + gl.expand_dims(offs_d, 0), mask=head_ok, other=0.0)
+        q_swapped = gl.load(q_row + gl.expand_dims(swapped, 0), mask=head_ok, other=0.0)
+        cos_row = gl.load(cos_ptr + b.to(gl.int64) * stride_cos + offs_d).to(gl.float32)
+        sin_row = gl.load(sin_ptr + b.to(gl.int64) * stride_sin + offs_d).to(gl.float32)
+        sin_signed = gl.where(offs_d < D // 2, -sin_row, sin_row)
+        q = _rotate(q, q_swapped, gl.expand_dims(cos_row, 0), gl.expand_dims(sin_signed, 0))
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+        q_dot = gl.convert_layout(q, a_layout)
+        m_i = gl.full([_ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([_ROWS], gl.float32, layout=row_layout)
+        acc = gl.zeros([_ROWS, D], gl.float32, layout=mma)
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        for i in range(0, total):
+            stage = i % STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            k_dot = k_smem.index(stage).permute((1, 0)).load(b_layout)
+            s = mma_v2(q_dot, k_dot, gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=mma))
+            valid = gl.where(
+                i < n_prompt_blocks,
+                n_prompt - i * BLOCK_N,
+                n_comp - (i - n_prompt_blocks) * BLOCK_N,
+            )
+            s = gl.where(gl.expand_dims(keys < valid, 0), s * scale2, float("-inf"))
+            # every block holds a valid key, so m_new is finite
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p_dot = gl.convert_layout(p.to(pk_desc.dtype), a_layout)
+            v_dot = v_smem.index(stage).load(b_layout)
+            acc = mma_v2(p_dot, v_dot, acc * gl.expand_dims(alpha, 1))
+            issued = _issue(*ring, issued, total, n_prompt_blocks, *rows0, BLOCK_N, STAGES)
+
+        # the new key: rotated, stored at the slot, folded in from registers
+        k_at = k_ptr + b.to(gl.int64) * stride_k + kvh * D
+        k_new = gl.load(k_at + offs_d)
+        k_new = _rotate(k_new, gl.load(k_at + swapped), cos_row, sin_signed)  # (D,)
+        v_new = gl.load(v_ptr + b.to(gl.int64) * stride_v + kvh * D + offs_d)
+        slot_at = ((b.to(gl.int64) * Tc + slot) * NKV + kvh) * D + offs_d
+        gl.store(ck_ptr + slot_at, k_new)
+        gl.store(cv_ptr + slot_at, v_new)
+        s_new = gl.sum(q.to(gl.float32) * gl.expand_dims(k_new.to(gl.float32), 0), axis=1)
+        s_new = gl.convert_layout(s_new * scale2, row_layout)
+        m_new = gl.maximum(m_i, s_new)
+        alpha = gl.exp2(m_i - m_new)
+        p_new = gl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+        v_row = gl.convert_layout(v_new, gl.SliceLayout(0, mma)).to(gl.float32)
+        p_v = gl.expand_dims(p_new.to(pk_desc.dtype).to(gl.float32), 1) * gl.expand_dims(v_row, 0)
+        acc = acc * gl.expand_dims(alpha, 1) + p_v
+
+        out = acc / gl.expand_dims(l_i, 1)
+        rows = gl.arange(0, _ROWS, layout=row_layout)
+        o_row = (b.to(gl.int64) * (NKV * REP) + kvh * REP + gl.expand_dims(rows, 1)) * D
+        o_at = out_ptr + o_row + gl.expand_dims(cols, 0)
+        gl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(rows < REP, 1))
+        for z in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(z))
+
+
+def applies(q, k, v, cos, sin, prompt_k, comp_k) -> bool:
+    """Whether the Gluon kernel serves this call (shapes as `rope_decode_attention` takes them,
+    already checked by the caller): bf16 on a Hopper GPU, d 64 or 128, rep <= 16 query heads per
+    kv head, heads of q, k and v d apart, contiguous caches, and rows x kv heads at least half the
+    multiprocessors."""
+    if not (ENABLED and not _failed and gluon is not None and q.is_cuda):
+        return False
+    B, nh, d = q.shape
+    nkv = prompt_k.shape[2]
+    return (
+        d in (64, 128)
+        and nh // nkv <= QUERY_ROWS
+        and all(t.dtype == torch.bfloat16 for t in (q, k, v, prompt_k, comp_k))
+        and q.stride(1) == d
+        and k.stride(1) == d
+        and v.stride(1) == d
+        and all(t.stride(-1) == 1 for t in (q, k, v, cos, sin))
+        and all(t.stride(0) * t.element_size() % 16 == 0 for t in (q, k, v))
+        and prompt_k.is_contiguous()
+        and comp_k.is_contiguous()
+        and 2 * B * nkv >= multiprocessors(q.device)
+        and _hopper(q.device.index)
+    )
+
+
+def launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot):
+    """`rope_decode_attention` by the Gluon kernel where `applies`; None (with a warning the first
+    time) when it does not compile with this triton: the caller then runs the Triton kernel."""
+    global _failed
+    B, nh, d = q.shape
+    P, Lp, nkv, _ = prompt_k.shape
+    Tc = comp_k.shape[1]
+    block_n, stages = blocks(d)
+    box = [block_n, d]
+
+    def cache(t, rows):
+        return TensorDescriptor.from_tensor(t.view(rows, nkv * d), box, _layout(box))
+
+    out = torch.empty(B, nh, d, dtype=q.dtype, device=q.device)
+    try:
+        _attention_kernel[(B * nkv,)](
+            q, k, v, cos, sin,
+            cache(prompt_k, P * Lp), cache(prompt_v, P * Lp),
+            cache(comp_k, B * Tc), cache(comp_v, B * Tc),
+            comp_k, comp_v, out, prompt_lens, slot,
+            q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
+            B // P, Lp, Tc, LOG2E / math.sqrt(d),
+            NKV=nkv, REP=nh // nkv, D=d, BLOCK_N=block_n, STAGES=stages,
+            num_warps=4, enable_fp_fusion=False, **pdl.launch_options(),
+        )  # fmt: skip
+    except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)
+        _failed = True
+        warn_not_compiled("the Gluon decode attention", error, "the Triton kernel")
+        return None
+    return out

@@ -1,0 +1,118 @@
+"""The Gluon decode attention (Hopper) against the float64 reference and the Triton kernel at real
+shapes: the same cache writes bit for bit, outputs within the bf16 path's own error; where it does
+not apply, `rope_decode_attention` keeps the Triton kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import NEEDS_TRITON, ON_GPU
+from test_decode_attention import (
+    REAL,
+    _float64_ref,
+    _real_case,
+    _ref_with_rounded_probs,
+    _rope_inputs,
+    _rope_reference,
+)
+
+from fastgrpo.kernels import decode_attention as ops
+from fastgrpo.kernels import decode_attention_gluon as gluon_attention
+
+pytestmark = NEEDS_TRITON
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
+
+
+def test_blocks_keep_the_shared_memory_of_a_program_at_96_kb():
+    for d in (64, 128):
+        block_n, stages = gluon_attention.blocks(d)
+        assert stages * 2 * block_n * d * 2 == 96 * 1024
+
+
+def test_cpu_tensors_are_not_taken():
+    inputs = tuple(t.cpu() for t in _rope_inputs(_real_case(14, 2, 64, 5), dtype=torch.bfloat16))
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
+    assert not gluon_attention.applies(q, k, v, cos, sin, pk, ck)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("step", [0, 1, 100, 128, 129, 255])
+@pytest.mark.parametrize("heads", REAL.values(), ids=REAL.keys())
+def test_gluon_attention_at_a_real_shape(heads, step):
+    """Prompts of 1..128 keys (odd lengths, partial blocks), slots from the first to the last."""
+    inputs = _rope_inputs(_real_case(*heads, step, seed=step), dtype=torch.bfloat16, seed=step)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
+    assert gluon_attention.applies(q, k, v, cos, sin, pk, ck)
+    tri_ck, tri_cv = ck.clone(), cv.clone()
+    tri = ops.decode_attention_triton(
+        q, pk, pv, lens, tri_ck, tri_cv, slot, 1, rope=(k, v, cos, sin)
+    )
+    _, want_ck, want_cv, rotated = _rope_reference(inputs)
+    out = gluon_attention.launch(*inputs)
+    assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)  # bitwise the RoPE kernel's
+    assert torch.equal(ck, tri_ck) and torch.equal(cv, tri_cv)
+    want = _float64_ref(*rotated)
+    own = (_ref_with_rounded_probs(*rotated).double() - want).abs().max()
+    assert (out.double() - want).abs().max() <= 2 * own + 1e-3
+    # the Triton kernel sums the same exact products in another order
+    assert (out.float() - tri.float()).abs().max() <= 2 * own + 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_rope_decode_attention_sends_a_decode_batch_to_gluon_and_few_rows_to_triton(monkeypatch):
+    calls = []
+    real = gluon_attention.launch
+    monkeypatch.setattr(gluon_attention, "launch", lambda *a: calls.append(1) or real(*a))
+    inputs = _rope_inputs(_real_case(14, 2, 64, 50), dtype=torch.bfloat16, seed=3)
+    want = ops.rope_decode_attention(*[t.clone() for t in inputs])
+    assert calls == [1]
+    few = _rope_inputs((2, 2, 14, 2, 64, 128, 256, [100, 7], 50), dtype=torch.bfloat16, seed=4)
+    ops.rope_decode_attention(*few)  # 8 programs: the Triton kernel's key splits serve
+    assert calls == [1]
+    monkeypatch.setattr(gluon_attention, "ENABLED", False)
+    off = ops.rope_decode_attention(*[t.clone() for t in inputs])
+    assert calls == [1]
+    assert (want.float() - off.float()).abs().max() <= 2e-2
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gluon_attention_replays_in_a_cuda_graph_as_the_slot_advances():
+    inputs = _rope_inputs(_real_case(14, 2, 64, 10), dtype=torch.bfloat16, seed=9)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = gluon_attention.launch(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for s in (10, 11, 200):
+        slot.fill_(s)
+        ref_inputs = (q, k, v, cos, sin, pk, pv, lens, ck.clone(), cv.clone(), slot.clone())
+        want, _, _, _ = _rope_reference(ref_inputs)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ck[:, s], _rope_reference(ref_inputs)[1][:, s])
+        assert (out.float() - want.float()).abs().max() <= 2e-2
+
+
+@pytest.mark.skipif(gluon_attention.gluon is None, reason="needs triton's Gluon")
+def test_a_gluon_attention_that_does_not_compile_warns_once_and_hands_back(monkeypatch):
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("unsupported layout\nmore detail")
+
+            return launch
+
+    monkeypatch.setattr(gluon_attention, "_attention_kernel", Broken())
+    monkeypatch.setattr(gluon_attention, "_failed", False)
+    inputs = tuple(t.cpu() for t in _rope_inputs(_real_case(14, 2, 64, 5), dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match="the Gluon decode attention did not compile.*unsupported"):
+        assert gluon_attention.launch(*inputs) is None
+    assert gluon_attention._failed
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
+    assert not gluon_attention.applies(q, k, v, cos, sin, pk, ck)  # not tried again
