@@ -48,3 +48,14 @@ def random_model(config, dtype, seed: int = 0):
         else:
             p.data = 0.1 * torch.randn_like(p)
     return model.to(dtype=dtype, device=DEVICE)
+
+
+class UncompilableKernel:
+    """Stands in for a Gluon kernel that does not compile with the installed triton: launching it
+    (`kernel[grid](...)`) raises what a compile failure raises."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("unsupported layout\nmore detail")
+
+        return launch

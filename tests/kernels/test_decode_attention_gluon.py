@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import NEEDS_TRITON, ON_GPU
+from kernel_cases import NEEDS_TRITON, ON_GPU, UncompilableKernel
 from test_decode_attention import (
     REAL,
     _float64_ref,
@@ -101,14 +101,7 @@ def test_gluon_attention_replays_in_a_cuda_graph_as_the_slot_advances():
 
 @pytest.mark.skipif(gluon_attention.gluon is None, reason="needs triton's Gluon")
 def test_a_gluon_attention_that_does_not_compile_warns_once_and_hands_back(monkeypatch):
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("unsupported layout\nmore detail")
-
-            return launch
-
-    monkeypatch.setattr(gluon_attention, "_attention_kernel", Broken())
+    monkeypatch.setattr(gluon_attention, "_attention_kernel", UncompilableKernel())
     monkeypatch.setattr(gluon_attention, "_failed", False)
     inputs = tuple(t.cpu() for t in _rope_inputs(_real_case(14, 2, 64, 5), dtype=torch.bfloat16))
     with pytest.warns(UserWarning, match="the Gluon decode attention did not compile.*unsupported"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import UncompilableKernel
 
 from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels import decode_linear_gluon as gluon_gate_up
@@ -82,14 +83,7 @@ def test_gluon_gate_up_serves_only_hopper_bf16_decode_batches_without_bias():
 
 @pytest.mark.skipif(gluon_gate_up.gluon is None, reason="needs triton's Gluon")
 def test_a_gluon_gate_up_that_does_not_compile_warns_once_and_hands_back(monkeypatch):
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("unsupported layout\nmore detail")
-
-            return launch
-
-    monkeypatch.setattr(gluon_gate_up, "_gate_up_kernel", Broken())
+    monkeypatch.setattr(gluon_gate_up, "_gate_up_kernel", UncompilableKernel())
     monkeypatch.setattr(gluon_gate_up, "multiprocessors", lambda: 132)
     monkeypatch.setattr(gluon_gate_up, "_failed", False)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)

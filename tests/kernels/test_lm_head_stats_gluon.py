@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import UncompilableKernel
 
 from fastgrpo.kernels import lm_head_stats as ops
 from fastgrpo.kernels import lm_head_stats_gluon as gluon_stats
@@ -69,14 +70,7 @@ def test_gluon_kernel_serves_only_hopper_bf16_training_with_its_configuration():
 
 @pytest.mark.skipif(gluon_stats.gluon is None, reason="needs triton's Gluon")
 def test_a_gluon_kernel_that_does_not_compile_warns_once_and_hands_back(monkeypatch):
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("unsupported layout\nmore detail")
-
-            return launch
-
-    monkeypatch.setattr(gluon_stats, "_lm_head_stats_gluon_kernel", Broken())
+    monkeypatch.setattr(gluon_stats, "_lm_head_stats_gluon_kernel", UncompilableKernel())
     monkeypatch.setattr(gluon_stats, "_failed", False)
     hidden = torch.zeros(4, 64, dtype=torch.bfloat16)
     weight = torch.zeros(300, 64, dtype=torch.bfloat16)
