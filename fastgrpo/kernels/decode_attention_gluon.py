@@ -5,8 +5,13 @@ What: `launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v
 `decode_attention.rope_decode_attention` does (see `rope_decode_attention_ref`): rotates this step's
 q and k, writes k and v at completion slot `slot`, and returns the attention of each row's queries
 over its prompt's keys, its completion slots 0..slot-1 and the new key. `applies` says where it
-serves: bf16 on a Hopper GPU, head dim 64 or 128, at most 16 query heads per kv head, and at least
-one program per two multiprocessors (with fewer rows the Triton kernel's key splits serve better).
+serves: bf16 on a Hopper GPU, head dim 64 or 128, at most 16 query heads per kv head, and between
+one program per two multiprocessors and one per multiprocessor (rows x kv heads), the decode batch
+of a GRPO step at 0.5B. With fewer rows the Triton kernel's key splits serve better; with more,
+its programs queue in waves, so their loads cannot start before the wait, and the ring of 3
+stages exposes each block's latency on long completions: at 256 rows x 1024 new tokens (workload
+B) 2.25 ms per step against 2.19-2.23 with the Triton kernel, and at the 7B shape with 64 rows
+(256 programs) 6.73-6.75 against 6.72-6.73 (benchmarks/results/decode_attention_gluon_h100_v1.txt).
 
 How: one program per (row, kv head), 4 warps. The prompt's keys and the row's cached completion
 keys are walked in blocks of BLOCK_N keys (prompt blocks, then completion blocks), each block's
@@ -239,8 +244,8 @@ if gluon is not None:
 def applies(q, k, v, cos, sin, prompt_k, comp_k) -> bool:
     """Whether the Gluon kernel serves this call (shapes as `rope_decode_attention` takes them,
     already checked by the caller): bf16 on a Hopper GPU, d 64 or 128, rep <= 16 query heads per
-    kv head, heads of q, k and v d apart, contiguous caches, and rows x kv heads at least half the
-    multiprocessors."""
+    kv head, heads of q, k and v d apart, contiguous caches, and rows x kv heads between half the
+    multiprocessors and all of them (one wave)."""
     if not (ENABLED and not _failed and gluon is not None and q.is_cuda):
         return False
     B, nh, d = q.shape
@@ -256,7 +261,7 @@ def applies(q, k, v, cos, sin, prompt_k, comp_k) -> bool:
         and all(t.stride(0) * t.element_size() % 16 == 0 for t in (q, k, v))
         and prompt_k.is_contiguous()
         and comp_k.is_contiguous()
-        and 2 * B * nkv >= multiprocessors(q.device)
+        and multiprocessors(q.device) <= 2 * B * nkv <= 2 * multiprocessors(q.device)
         and _hopper(q.device.index)
     )
 

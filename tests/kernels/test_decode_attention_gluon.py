@@ -41,10 +41,12 @@ def test_cpu_tensors_are_not_taken():
 @pytest.mark.parametrize("step", [0, 1, 100, 128, 129, 255])
 @pytest.mark.parametrize("heads", REAL.values(), ids=REAL.keys())
 def test_gluon_attention_at_a_real_shape(heads, step):
-    """Prompts of 1..128 keys (odd lengths, partial blocks), slots from the first to the last."""
+    """Prompts of 1..128 keys (odd lengths, partial blocks), slots from the first to the last.
+    (At the 7B shape 64 rows are two waves of programs, which `applies` leaves to the Triton
+    kernel; the kernel itself must still be right there.)"""
     inputs = _rope_inputs(_real_case(*heads, step, seed=step), dtype=torch.bfloat16, seed=step)
     q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
-    assert gluon_attention.applies(q, k, v, cos, sin, pk, ck)
+    assert gluon_attention.applies(q, k, v, cos, sin, pk, ck) == (heads[2] == 64)
     tri_ck, tri_cv = ck.clone(), cv.clone()
     tri = ops.decode_attention_triton(
         q, pk, pv, lens, tri_ck, tri_cv, slot, 1, rope=(k, v, cos, sin)
@@ -71,6 +73,8 @@ def test_rope_decode_attention_sends_a_decode_batch_to_gluon_and_few_rows_to_tri
     assert calls == [1]
     few = _rope_inputs((2, 2, 14, 2, 64, 128, 256, [100, 7], 50), dtype=torch.bfloat16, seed=4)
     ops.rope_decode_attention(*few)  # 8 programs: the Triton kernel's key splits serve
+    many = _rope_inputs((32, 4, 14, 2, 64, 128, 256, [100] * 32, 50), dtype=torch.bfloat16)
+    ops.rope_decode_attention(*many)  # 256 programs, two waves: the Triton kernel
     assert calls == [1]
     monkeypatch.setattr(gluon_attention, "ENABLED", False)
     off = ops.rope_decode_attention(*[t.clone() for t in inputs])
