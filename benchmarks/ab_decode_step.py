@@ -20,6 +20,8 @@ Variants (`--variants`, the first is the baseline):
   gluon-gate-up-exact     the Gluon gate/up with libdevice's exp and the IEEE division
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
                           (Hopper)
+  attention-whole-blocks  the Gluon attention reading a last, partial block of keys whole, not
+                          in 32-key boxes (d = 64 only)
   pdl-off                 programmatic dependent launch off: a known loss (~57 us per step in
                           results/rollout_pdl_ab_h100_v1.txt), to show the harness sees one
 Prints a table, then one JSON line. Run on a CUDA GPU:
@@ -78,6 +80,7 @@ VARIANTS = {
     "gluon-gate-up-off": {(decode_linear_gluon, "ENABLED"): False},
     "gluon-gate-up-exact": {(decode_linear_gluon, "EXACT_EPILOGUE"): True},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
+    "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},
     "pdl-off": {(pdl, "ENABLED"): False},
 }
 

@@ -65,6 +65,8 @@ if gluon is not None:
 
 ENABLED = os.environ.get("FASTGRPO_GLUON_ATTENTION", "1") != "0"
 QUERY_ROWS = 16
+PART_ROWS = 32
+"""Rows per box of a last, partial block: only its keys in use, rounded up to 32, are read."""
 """The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
 _failed = False
 
@@ -80,24 +82,47 @@ if gluon is not None:
     _ROWS = gl.constexpr(QUERY_ROWS)
 
     @gluon.jit
+    def _copy_block(
+        full_desc, part_desc, row, valid, past_end, col, bar, dst, BLOCK_N: gl.constexpr
+    ):
+        """BLOCK_N rows of a cache from `row` into dst: one box when all `valid` of them are keys
+        to read, else boxes of PART rows for the valid part and boxes wholly past the tensor's end
+        (`past_end`) for the rest, which TMA fills with zeros without reading memory; either way
+        dst's bytes all arrive, as the stage's mbarrier expects."""
+        if valid >= BLOCK_N:
+            tma.async_copy_global_to_shared(full_desc, [row, col], bar, dst)
+        else:
+            PART: gl.constexpr = part_desc.block_type.shape[0]
+            for j in gl.static_range(BLOCK_N // PART):
+                at = gl.where(j * PART < valid, row + j * PART, past_end)
+                tma.async_copy_global_to_shared(
+                    part_desc, [at, col], bar, dst.slice(j * PART, PART)
+                )
+
+    @gluon.jit
     def _issue(
-        pk_desc, pv_desc, ck_desc, cv_desc, k_smem, v_smem, ready,
-        i, total, n_prompt_blocks, prompt_row0, comp_row0, col,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        descs, k_smem, v_smem, ready,
+        i, total, n_prompt, n_comp, n_prompt_blocks, prompt_row0, comp_row0, col, prompt_rows,
+        comp_rows, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """Block i's keys and values into its stage when i < total; returns i + 1."""
+        pk_desc, pv_desc, ck_desc, cv_desc, pk_part, pv_part, ck_part, cv_part = descs
         if i < total:
             stage = i % STAGES
             bar = ready.index(stage)
             mbarrier.expect(bar, 2 * pk_desc.block_type.nbytes)
+            k_dst = k_smem.index(stage)
+            v_dst = v_smem.index(stage)
             if i < n_prompt_blocks:
                 row = prompt_row0 + i * BLOCK_N
-                tma.async_copy_global_to_shared(pk_desc, [row, col], bar, k_smem.index(stage))
-                tma.async_copy_global_to_shared(pv_desc, [row, col], bar, v_smem.index(stage))
+                valid = n_prompt - i * BLOCK_N
+                _copy_block(pk_desc, pk_part, row, valid, prompt_rows, col, bar, k_dst, BLOCK_N)
+                _copy_block(pv_desc, pv_part, row, valid, prompt_rows, col, bar, v_dst, BLOCK_N)
             else:
                 row = comp_row0 + (i - n_prompt_blocks) * BLOCK_N
-                tma.async_copy_global_to_shared(ck_desc, [row, col], bar, k_smem.index(stage))
-                tma.async_copy_global_to_shared(cv_desc, [row, col], bar, v_smem.index(stage))
+                valid = n_comp - (i - n_prompt_blocks) * BLOCK_N
+                _copy_block(ck_desc, ck_part, row, valid, comp_rows, col, bar, k_dst, BLOCK_N)
+                _copy_block(cv_desc, cv_part, row, valid, comp_rows, col, bar, v_dst, BLOCK_N)
         return i + 1
 
     @gluon.jit
@@ -120,6 +145,10 @@ if gluon is not None:
         pv_desc,  # prompt caches as (P * Lp, nkv * D), box [BLOCK_N, D]
         ck_desc,
         cv_desc,  # completion caches as (B * Tc, nkv * D), box [BLOCK_N, D]
+        pk_part,
+        pv_part,
+        ck_part,
+        cv_part,  # the same four with boxes of fewer rows, for a last, partial block
         ck_ptr,
         cv_ptr,  # the completion caches (B, Tc, nkv, D), for the slot's write
         out_ptr,  # (B, nh, D) contiguous
@@ -133,6 +162,8 @@ if gluon is not None:
         G,
         Lp,
         Tc,
+        n_prompts,  # P
+        n_rows,  # B
         scale2,  # log2(e) / sqrt(D)
         NKV: gl.constexpr,
         REP: gl.constexpr,
@@ -159,11 +190,13 @@ if gluon is not None:
         n_comp = gl.minimum(slot, Tc).to(gl.int32)
         n_prompt_blocks = gl.cdiv(n_prompt, BLOCK_N)
         total = n_prompt_blocks + gl.cdiv(n_comp, BLOCK_N)
-        ring = (pk_desc, pv_desc, ck_desc, cv_desc, k_smem, v_smem, ready)
-        rows0 = (prompt * Lp, b * Tc, kvh * D)
+        descs = (pk_desc, pv_desc, ck_desc, cv_desc, pk_part, pv_part, ck_part, cv_part)
+        ring = (descs, k_smem, v_smem, ready)
+        counts = (n_prompt, n_comp, n_prompt_blocks)
+        rows0 = (prompt * Lp, b * Tc, kvh * D, n_prompts * Lp, n_rows * Tc)
         issued = total * 0
         for _ in gl.static_range(STAGES):
-            issued = _issue(*ring, issued, total, n_prompt_blocks, *rows0, BLOCK_N, STAGES)
+            issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
         _pdl_wait(PDL)
 
         # q's rep heads, rotated, as a [16, D] tile (rows past REP are zeros)
@@ -191,6 +224,7 @@ if gluon is not None:
         l_i = gl.zeros([_ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([_ROWS, D], gl.float32, layout=mma)
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        value_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b_layout))
         for i in range(0, total):
             stage = i % STAGES
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
@@ -210,8 +244,10 @@ if gluon is not None:
             m_i = m_new
             p_dot = gl.convert_layout(p.to(pk_desc.dtype), a_layout)
             v_dot = v_smem.index(stage).load(b_layout)
+            if valid < BLOCK_N:  # zero the values past the last key: 0 * a stale inf is nan
+                v_dot = gl.where(gl.expand_dims(value_rows < valid, 1), v_dot, 0.0)
             acc = mma_v2(p_dot, v_dot, acc * gl.expand_dims(alpha, 1))
-            issued = _issue(*ring, issued, total, n_prompt_blocks, *rows0, BLOCK_N, STAGES)
+            issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
 
         # the new key: rotated, stored at the slot, folded in from registers
         k_at = k_ptr + b.to(gl.int64) * stride_k + kvh * D
@@ -276,8 +312,10 @@ def launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, s
     block_n, stages = blocks(d)
     box = [block_n, d]
 
-    def cache(t, rows):
+    def cache(t, rows, box=box):
         return TensorDescriptor.from_tensor(t.view(rows, nkv * d), box, _layout(box))
+
+    part = [PART_ROWS, d]
 
     out = torch.empty(B, nh, d, dtype=q.dtype, device=q.device)
     try:
@@ -285,9 +323,11 @@ def launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, s
             q, k, v, cos, sin,
             cache(prompt_k, P * Lp), cache(prompt_v, P * Lp),
             cache(comp_k, B * Tc), cache(comp_v, B * Tc),
+            cache(prompt_k, P * Lp, part), cache(prompt_v, P * Lp, part),
+            cache(comp_k, B * Tc, part), cache(comp_v, B * Tc, part),
             comp_k, comp_v, out, prompt_lens, slot,
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
-            B // P, Lp, Tc, LOG2E / math.sqrt(d),
+            B // P, Lp, Tc, P, B, LOG2E / math.sqrt(d),
             NKV=nkv, REP=nh // nkv, D=d, BLOCK_N=block_n, STAGES=stages,
             num_warps=4, enable_fp_fusion=False, **pdl.launch_options(),
         )  # fmt: skip

@@ -113,3 +113,25 @@ def test_a_gluon_attention_that_does_not_compile_warns_once_and_hands_back(monke
     assert gluon_attention._failed
     q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
     assert not gluon_attention.applies(q, k, v, cos, sin, pk, ck)  # not tried again
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("step", [1, 37, 128, 200])
+def test_stale_nan_past_the_valid_keys_changes_nothing(step):
+    """Cache slots past each prompt's length and past the step may hold anything an earlier wave
+    left there (inf, nan): whole-box loads read some of them, and none may reach the output."""
+    case = _real_case(14, 2, 64, step, seed=step)
+    clean = _rope_inputs(case, dtype=torch.bfloat16, seed=step)
+    stale = tuple(t.clone() for t in clean)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = stale
+    past_prompt = torch.arange(pk.shape[1], device=pk.device)[None, :] >= lens[:, None]
+    for cache in (pk, pv):
+        cache[past_prompt] = float("nan")
+    for cache in (ck, cv):
+        cache[:, step + 1 :] = float("inf")
+        cache[:, step] = float("nan")  # the slot itself is written by the call
+    want = gluon_attention.launch(*clean)
+    out = gluon_attention.launch(*stale)
+    assert torch.equal(out, want)
+    assert torch.equal(ck[:, : step + 1], clean[8][:, : step + 1])
