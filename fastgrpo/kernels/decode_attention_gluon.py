@@ -15,7 +15,10 @@ B) 2.25 ms per step against 2.19-2.23 with the Triton kernel, and at the 7B shap
 
 How: one program per (row, kv head), 4 warps. The prompt's keys and the row's cached completion
 keys are walked in blocks of BLOCK_N keys (prompt blocks, then completion blocks), each block's
-keys and values one TMA box apiece through a ring of STAGES shared-memory stages. The cache
+keys and values one TMA box apiece through a ring of STAGES shared-memory stages (a last, partial
+block in boxes of PART_ROWS keys, those past its keys placed beyond the tensor's end, where TMA
+fills zeros without reading memory; the values past its last key are zeroed in registers, since
+the slots there may hold anything an earlier wave left, inf or nan included). The cache
 contents were written before this graph replay started (earlier steps' kernels, and the prefill),
 so the ring's first loads are issued before the PDL wait, while the previous kernel (q/k/v's
 GEMM) still runs; only q, the new k and v, and cos/sin wait. The rep query heads are the rows of
