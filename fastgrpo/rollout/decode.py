@@ -149,6 +149,9 @@ class WaveBuffers:
         hidden = model(
             s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
         )
+        # a plain cuBLAS launch: it ends the step's chain of programmatic dependent launches, so
+        # in an eager step every cache write is done before the next step starts, which the Gluon
+        # attention's loads before its wait rely on (kernels/decode_attention_gluon.py)
         logits = model.logits(hidden)  # (B, V)
         s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=True)
 
