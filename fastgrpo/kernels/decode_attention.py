@@ -555,7 +555,9 @@ def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, co
     Why: the separate RoPE kernel was one of nine launches per layer of the decode step, each a
     link in a chain of dependent kernels; here every program rotates its own query heads (7 x 64
     values at the 0.5B shape) while its first keys load, and the program of the last key split
-    rotates and stores the new key and folds it into its softmax from registers."""
+    rotates and stores the new key and folds it into its softmax from registers. On Hopper a bf16
+    decode batch of one wave of programs goes to the Gluon kernel instead
+    (`decode_attention_gluon`), which loads the cached keys before it waits for q."""
     readable = all(t.stride(-1) == 1 for t in (k, v, cos, sin))
     if ROPE_IN_ATTENTION and readable and _kernel_serves(q, prompt_k):
         _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)

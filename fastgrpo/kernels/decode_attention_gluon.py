@@ -68,9 +68,9 @@ if gluon is not None:
 
 ENABLED = os.environ.get("FASTGRPO_GLUON_ATTENTION", "1") != "0"
 QUERY_ROWS = 16
+"""The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
 PART_ROWS = 32
 """Rows per box of a last, partial block: only its keys in use, rounded up to 32, are read."""
-"""The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
 _failed = False
 
 
