@@ -278,9 +278,14 @@ def add_rms_norm_triton(
 def _launch(
     x, stride_x, splits, stride_split, res_rows, weight, out, new_residual, eps, residual, rstd=None
 ):
-    """One program per row of res_rows (R, H); x is the rows, or with splits > 0 the parts."""
+    """One program per row of res_rows (R, H); x is the rows, or with splits > 0 the parts.
+    Warps: one per 256 columns; twice that when the rows fit one wave of programs (a decode
+    batch), where each row's loads are the whole critical path: 8 warps instead of 4 at H = 896
+    took the 0.5B decode step (49 norms) 15-23 us lower, 34 of 40 paired rounds on an H100
+    (benchmarks/results/norm_warps_h100_v1.txt)."""
     R, H = res_rows.shape
     block = triton.next_power_of_2(H)
+    per_warp = 128 if res_rows.is_cuda and R <= multiprocessors(res_rows.device) else 256
     _add_rms_norm_kernel[(R,)](
         x,
         res_rows,
@@ -299,7 +304,7 @@ def _launch(
         stride_split=stride_split,
         BLOCK=block,
         LIBDEVICE=not _interpreting(),
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=min(16, max(1, block // per_warp)),
         enable_fp_fusion=False,
         enable_reflect_ftz=False,  # rsqrt without flush-to-zero, as nvcc compiles torch's
         **pdl.launch_options(),
