@@ -53,12 +53,11 @@ import os
 
 import torch
 
-from fastgrpo.kernels import decode_linear_gluon, pdl
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import LOG2E, multiprocessors
-from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, warn_not_compiled
+from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, gluon, warn_not_compiled
 
-gluon = decode_linear_gluon.gluon
-if gluon is not None:
+if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -103,6 +102,16 @@ if gluon is not None:
                 )
 
     @gluon.jit
+    def _valid_keys(i, n_prompt, n_comp, n_prompt_blocks, BLOCK_N: gl.constexpr):
+        """How many of block i's BLOCK_N keys are keys to read: prompt blocks come first, then
+        the row's completion blocks."""
+        return gl.where(
+            i < n_prompt_blocks,
+            n_prompt - i * BLOCK_N,
+            n_comp - (i - n_prompt_blocks) * BLOCK_N,
+        )
+
+    @gluon.jit
     def _issue(
         descs, k_smem, v_smem, ready,
         i, total, n_prompt, n_comp, n_prompt_blocks, prompt_row0, comp_row0, col, prompt_rows,
@@ -116,14 +125,13 @@ if gluon is not None:
             mbarrier.expect(bar, 2 * pk_desc.block_type.nbytes)
             k_dst = k_smem.index(stage)
             v_dst = v_smem.index(stage)
+            valid = _valid_keys(i, n_prompt, n_comp, n_prompt_blocks, BLOCK_N)
             if i < n_prompt_blocks:
                 row = prompt_row0 + i * BLOCK_N
-                valid = n_prompt - i * BLOCK_N
                 _copy_block(pk_desc, pk_part, row, valid, prompt_rows, col, bar, k_dst, BLOCK_N)
                 _copy_block(pv_desc, pv_part, row, valid, prompt_rows, col, bar, v_dst, BLOCK_N)
             else:
                 row = comp_row0 + (i - n_prompt_blocks) * BLOCK_N
-                valid = n_comp - (i - n_prompt_blocks) * BLOCK_N
                 _copy_block(ck_desc, ck_part, row, valid, comp_rows, col, bar, k_dst, BLOCK_N)
                 _copy_block(cv_desc, cv_part, row, valid, comp_rows, col, bar, v_dst, BLOCK_N)
         return i + 1
@@ -233,11 +241,7 @@ if gluon is not None:
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             k_dot = k_smem.index(stage).permute((1, 0)).load(b_layout)
             s = mma_v2(q_dot, k_dot, gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=mma))
-            valid = gl.where(
-                i < n_prompt_blocks,
-                n_prompt - i * BLOCK_N,
-                n_comp - (i - n_prompt_blocks) * BLOCK_N,
-            )
+            valid = _valid_keys(i, n_prompt, n_comp, n_prompt_blocks, BLOCK_N)
             s = gl.where(gl.expand_dims(keys < valid, 0), s * scale2, float("-inf"))
             # every block holds a valid key, so m_new is finite
             m_new = gl.maximum(m_i, gl.max(s, axis=1))

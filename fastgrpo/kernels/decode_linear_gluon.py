@@ -41,11 +41,10 @@ import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import multiprocessors, tma_readable
-from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, warn_not_compiled
+from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, gluon, warn_not_compiled
 
-try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written against triton 3.6
+if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer; this kernel targets 3.6
     import triton
-    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.extra import libdevice
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -56,8 +55,6 @@ try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written agai
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # CPU-only installs, or a triton without this Gluon API
-    gluon = None
 
 # FASTGRPO_GLUON_GATE_UP=0 keeps gate/up on the Triton kernel (to compare)
 ENABLED = os.environ.get("FASTGRPO_GLUON_GATE_UP", "1") != "0"
