@@ -5,6 +5,10 @@ Why: separate `bench_rollout.py` runs of one configuration spread by 2-4% (new w
 allocations, another process), which hides the 10-30 us a kernel-level change moves. Here every
 variant runs on the same weights and prompts, the rounds alternate the variants, and each round's
 difference to the baseline is a paired sample: the table gives the mean and the spread of those.
+Each round starts one variant later than the one before, so that an effect of a variant's place
+in the round falls on every variant alike (once, the same settings measured 21 us apart as the
+first and the last of a round: results/decode_step_ab_h100_v1.txt, section 8); give a multiple of
+the variant count as --rounds.
 
 A variant sets module attributes (the settings the decode kernels read at each launch, which their
 FASTGRPO_* variables set at import) and gets a fresh engine, so its graph is captured with them.
@@ -18,6 +22,10 @@ Variants (`--variants`, the first is the baseline):
                           committed), the Gluon one off
   gluon-gate-up-off       gate/up by the Triton kernel instead of the Gluon one (Hopper)
   gluon-gate-up-exact     the Gluon gate/up with libdevice's exp and the IEEE division
+  gate-up-depth0          the Gluon gate/up waiting for each k step's products before the next
+                          step (the kernel before session 15)
+  norm-4-warps            the decode norms with one warp per 256 columns (4 at H = 896), as
+                          before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
                           (Hopper)
   attention-whole-blocks  the Gluon attention reading a last, partial block of keys whole, not
@@ -48,6 +56,7 @@ from fastgrpo.kernels import (  # noqa: E402
     decode_linear,
     decode_linear_gluon,
     pdl,
+    rms_norm,
 )
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
@@ -79,6 +88,8 @@ VARIANTS = {
     },
     "gluon-gate-up-off": {(decode_linear_gluon, "ENABLED"): False},
     "gluon-gate-up-exact": {(decode_linear_gluon, "EXACT_EPILOGUE"): True},
+    "gate-up-depth0": {(decode_linear_gluon, "DEPTH"): 0},
+    "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
     "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},
     "pdl-off": {(pdl, "ENABLED"): False},
@@ -121,7 +132,9 @@ def main():
     prompts = prompts_of(64, 128, model.config.vocab_size)
     times = {name: [] for name in args.variants}
     for r in range(args.rounds):
-        for name in args.variants:
+        # each round starts one variant later, so every variant takes each place as often
+        shift = r % len(args.variants)
+        for name in args.variants[shift:] + args.variants[:shift]:
             before = apply(VARIANTS[name])
             try:
                 times[name].append(step_ms(model, prompts))

@@ -11,7 +11,10 @@ output columns p, p + P, ...; per tile and 256-wide k step a gate box and an up 
 (8 KB each) come through one ring of 4 shared-memory stages that runs across the program's tiles.
 The activation (64 rows x K, zero-filled past M and K) is loaded into shared memory once. The
 ring's first loads are issued before the programmatic-dependent-launch wait, as the weight is no
-earlier kernel's output. Per k step two m64n16k16 wgmma chains (gate, up) read x and the stage.
+earlier kernel's output. Per k step two m64n16k16 wgmma chains (gate, up) read x and the stage;
+each box of x has its own barrier, so the first step waits only for its box, and a step's
+products are still running when the next step's are issued: a stage is refilled once the
+products that read it are done (`DEPTH`), not right after its own step.
 
 Why: the Triton kernel re-reads the whole activation for every 32 output columns, and Triton's
 pipeline starts its weight loads only after the wait. A kernel that only streams this weight
@@ -19,7 +22,9 @@ pipeline starts its weight loads only after the wait. A kernel that only streams
 (benchmarks/results/spike_stream_gluon_h100_v1.txt). On the H100 at 64 rows of the 0.5B shape:
 9.4-9.5 us alone against 10.9 for the Triton kernel, 10.7-10.8 after the norm against 11.2-11.5,
 and -12 to -21 us per decode step in four runs of 12-14 paired rounds
-(benchmarks/results/gate_up_gluon_h100_v1.txt).
+(benchmarks/results/gate_up_gluon_h100_v1.txt). Keeping one step's products running (DEPTH = 1)
+with a barrier per box of x: -31 us more per step, bitwise the same outputs
+(benchmarks/results/gate_up_depth_h100_v1.txt).
 
 Numerics: fp32 accumulation over k in the Triton kernel's order, gate and up rounded to bf16,
 silu(gate) = gate / (1 + exp(-gate)) rounded to bf16, the product rounded once. The exp and the
@@ -65,6 +70,9 @@ MAX_K = 1024
 EXACT_EPILOGUE = os.environ.get("FASTGRPO_GLUON_GATE_UP_EXACT", "0") == "1"
 """silu with libdevice's exp and an IEEE division (the Triton kernel's numerics, bit for bit);
 off by default: the approximate ones are faster in the step (see Numerics above)."""
+DEPTH = 1
+"""k steps whose products may still be running when the next step's are issued (0: each step
+waits for its own, as the kernel did before: ~31 us per decode step slower at 0.5B)."""
 _failed = False  # set when the kernel did not compile here: the Triton kernel serves from then on
 
 if gluon is not None:
@@ -132,6 +140,7 @@ if gluon is not None:
         BLOCK_K: gl.constexpr,
         K_STEPS: gl.constexpr,
         STAGES: gl.constexpr,
+        DEPTH: gl.constexpr,
         EXACT: gl.constexpr,
         PDL: gl.constexpr,
     ):
@@ -150,10 +159,11 @@ if gluon is not None:
         )
         up_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        x_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        x_ready = gl.allocate_shared_memory(gl.int64, [K_STEPS, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(x_ready.index(0), count=1)
+        for k in gl.static_range(K_STEPS):
+            mbarrier.init(x_ready.index(k), count=1)
         fence_async_shared()
         _pdl_start(PDL)
 
@@ -164,12 +174,11 @@ if gluon is not None:
         for _ in gl.static_range(STAGES):
             issued = _load_weight(*ring, issued, total, *tiling)
         _pdl_wait(PDL)
-        mbarrier.expect(x_ready.index(0), K_STEPS * x_desc.block_type.nbytes)
-        for k in gl.static_range(K_STEPS):
+        for k in gl.static_range(K_STEPS):  # a barrier per box: step k needs only box k
+            mbarrier.expect(x_ready.index(k), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
-                x_desc, [0, k * BLOCK_K], x_ready.index(0), x_smem.index(k)
+                x_desc, [0, k * BLOCK_K], x_ready.index(k), x_smem.index(k)
             )
-        mbarrier.wait(x_ready.index(0), 0)
 
         rows = gl.arange(0, BLOCK_M, layout=row_layout)
         g = total * 0  # the ring's next load to consume
@@ -178,6 +187,7 @@ if gluon is not None:
             acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
             for k in gl.static_range(K_STEPS):
                 stage = g % STAGES
+                mbarrier.wait(x_ready.index(k), 0)  # returns at once after the first tile
                 mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
                 acc_gate = warpgroup_mma(
                     x_smem.index(k), gate_smem.index(stage).permute((1, 0)), acc_gate, is_async=True
@@ -185,9 +195,15 @@ if gluon is not None:
                 acc_up = warpgroup_mma(
                     x_smem.index(k), up_smem.index(stage).permute((1, 0)), acc_up, is_async=True
                 )
-                acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
-                issued = _load_weight(*ring, issued, total, *tiling)  # into the stage just read
+                if k >= DEPTH:  # step k - DEPTH's products are done: refill their stage
+                    acc_gate, acc_up = warpgroup_mma_wait(
+                        num_outstanding=2 * DEPTH, deps=(acc_gate, acc_up)
+                    )
+                    issued = _load_weight(*ring, issued, total, *tiling)
                 g += 1
+            acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
+            for _ in gl.static_range(DEPTH):  # the stages of the tile's last DEPTH steps
+                issued = _load_weight(*ring, issued, total, *tiling)
             # the Triton kernel's epilogue, operation for operation
             gate = acc_gate.to(gl.bfloat16).to(gl.float32)
             up = acc_up.to(gl.bfloat16).to(gl.float32)
@@ -202,7 +218,8 @@ if gluon is not None:
             gl.store(ptrs, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
-        mbarrier.invalidate(x_ready.index(0))
+        for k in gl.static_range(K_STEPS):
+            mbarrier.invalidate(x_ready.index(k))
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -251,6 +268,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
             BLOCK_K=BLOCK_K,
             K_STEPS=triton.cdiv(K, BLOCK_K),
             STAGES=STAGES,
+            DEPTH=min(DEPTH, triton.cdiv(K, BLOCK_K)),  # a tile's steps: the most to keep running
             EXACT=EXACT_EPILOGUE,
             num_warps=4,
             enable_fp_fusion=False,

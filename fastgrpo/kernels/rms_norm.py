@@ -48,6 +48,7 @@ if triton is not None:
     from triton.language.extra import libdevice
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DECODE_COLUMNS_PER_WARP = 128  # columns per warp when the rows fit one wave (256 otherwise)
 
 
 @dataclass
@@ -285,7 +286,8 @@ def _launch(
     (benchmarks/results/norm_warps_h100_v1.txt)."""
     R, H = res_rows.shape
     block = triton.next_power_of_2(H)
-    per_warp = 128 if res_rows.is_cuda and R <= multiprocessors(res_rows.device) else 256
+    one_wave = res_rows.is_cuda and R <= multiprocessors(res_rows.device)
+    per_warp = DECODE_COLUMNS_PER_WARP if one_wave else 256
     _add_rms_norm_kernel[(R,)](
         x,
         res_rows,
