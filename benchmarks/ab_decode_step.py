@@ -24,6 +24,8 @@ Variants (`--variants`, the first is the baseline):
   gluon-gate-up-exact     the Gluon gate/up with libdevice's exp and the IEEE division
   gate-up-depth0          the Gluon gate/up waiting for each k step's products before the next
                           step (the kernel before session 15)
+  o-proj-whole            o_proj as one product per column block (SHORT_K_RANGE = 0), not
+                          split-K parts that the norm after it adds up
   norm-4-warps            the decode norms with one warp per 256 columns (4 at H = 896), as
                           before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
@@ -32,6 +34,8 @@ Variants (`--variants`, the first is the baseline):
                           in 32-key boxes (d = 64 only)
   pdl-off                 programmatic dependent launch off: a known loss (~57 us per step in
                           results/rollout_pdl_ab_h100_v1.txt), to show the harness sees one
+With --replay each variant's engine is made once and its captured step is timed alone with CUDA
+events (`Replayed`), round after round: no prefill, allocation or host check in the samples.
 Prints a table, then one JSON line. Run on a CUDA GPU:
     python benchmarks/ab_decode_step.py [--rounds 8] [--variants default attention-256-8-3 ...]
 """
@@ -89,6 +93,7 @@ VARIANTS = {
     "gluon-gate-up-off": {(decode_linear_gluon, "ENABLED"): False},
     "gluon-gate-up-exact": {(decode_linear_gluon, "EXACT_EPILOGUE"): True},
     "gate-up-depth0": {(decode_linear_gluon, "DEPTH"): 0},
+    "o-proj-whole": {(decode_linear, "SHORT_K_RANGE"): 0},
     "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
     "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},
@@ -119,9 +124,45 @@ def step_ms(model, prompts) -> float:
     return (seconds(NEW_TOKENS) - seconds(1)) / (NEW_TOKENS - 1) * 1e3
 
 
+class Replayed:
+    """A variant's decode step captured once under its settings, then timed alone: the wave's
+    step counters are set back to the first decode step and its graph replayed for all of A's
+    decode steps back to back, between two CUDA events (no prefill, no host checks)."""
+
+    def __init__(self, model, prompts, patches: dict):
+        before = apply(patches)
+        try:
+            never = model.config.vocab_size  # no sampled id equals it: lengths are forced
+            self.engine = RolloutEngine(model, stop_ids=[never], pad_id=0)
+            self.engine.generate(  # captures the step's graph under these settings
+                prompts, num_samples=1, max_new_tokens=NEW_TOKENS, params=PARAMS, seed=1
+            )
+        finally:
+            apply(before)
+        (self.wave,) = self.engine._kept.values()
+        self.step_ms()  # warm-up
+
+    def step_ms(self) -> float:
+        state = self.wave.state
+        state.step.fill_(1)  # the first decode step: column 1 sampled, slot 0 fed
+        state.slot.fill_(0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(NEW_TOKENS - 1):
+            self.wave.step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / (NEW_TOKENS - 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="time each variant's captured step replayed alone (CUDA events), not whole rollouts",
+    )
     parser.add_argument(
         "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME"
     )
@@ -131,10 +172,15 @@ def main():
     model = native_model("0.5B")
     prompts = prompts_of(64, 128, model.config.vocab_size)
     times = {name: [] for name in args.variants}
+    if args.replay:
+        replayed = {name: Replayed(model, prompts, VARIANTS[name]) for name in args.variants}
     for r in range(args.rounds):
         # each round starts one variant later, so every variant takes each place as often
         shift = r % len(args.variants)
         for name in args.variants[shift:] + args.variants[:shift]:
+            if args.replay:
+                times[name].append(replayed[name].step_ms())
+                continue
             before = apply(VARIANTS[name])
             try:
                 times[name].append(step_ms(model, prompts))
@@ -156,7 +202,8 @@ def main():
         results.append(
             dict(variant=name, ms_per_step=ms, mean_diff_us=mean_diff, sd_diff_us=sd, wins=wins)
         )
-    print_result_line("ab_decode_step", results, baseline=base, rounds=args.rounds)
+    mode = "replayed steps" if args.replay else "whole rollouts"
+    print_result_line("ab_decode_step", results, baseline=base, rounds=args.rounds, mode=mode)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ What:
 - `norm_linear(x, residual, norm_weight, eps, weight, bias, swiglu=False)` returns
   (out, new_residual): the residual add + RMSNorm (the `rms_norm` kernel), then `linear`.
 - `linear_to_residual(x, weight, bias)`: for a product whose only reader is the next residual
-  add + RMSNorm (a layer's down_proj): with a long K, `linear_split_sums` gives fp32 parts over k
+  add + RMSNorm (a layer's o_proj and down_proj): `linear_split_sums` gives fp32 parts over k
   ranges (`rms_norm.SplitSums`) that the norm kernel sums, a split-K GEMM with no reduction kernel.
 Each uses a Triton kernel where it measured faster than cuBLAS (`takes`, `takes_split_sums`), else
 F.linear (+ the `swiglu` kernel), so a caller may use them for any shape. On Hopper GPUs the
@@ -70,8 +70,13 @@ MAX_K = 1024
 """The longest reduction the kernel takes in one range: with one program per column block, a
 long K leaves too few programs streaming too much (the 0.5B down_proj, K = 4864, lost). Longer
 ones go to `linear_split_sums` when their reader is a norm (SPLIT_SUMS)."""
-# FASTGRPO_SPLIT_SUMS=0 keeps down_proj on cuBLAS (to compare)
+# FASTGRPO_SPLIT_SUMS=0 keeps down_proj on cuBLAS and o_proj whole (to compare)
 SPLIT_SUMS = os.environ.get("FASTGRPO_SPLIT_SUMS", "1") != "0"
+SHORT_K_RANGE = 384
+"""The k range of a split-K product with K <= MAX_K whose reader is a norm (a layer's o_proj);
+0 runs those whole, in `linear`. At the 0.5B o_proj (K = 896: ranges of 384, 384 and 128, 42
+programs) the decode step took 20-27 us less than with o_proj whole; 256, 512 and 640 did less
+well, 128 worse than whole (benchmarks/results/decode_step_ab_h100_v1.txt, sections 11-12)."""
 
 
 def linear_ref(
@@ -280,14 +285,14 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
 
 
 def split_k_config(M: int, N: int, K: int) -> dict:
-    """Blocks for `linear_split_sums`, the best of a sweep on the H100 for the 0.5B down_proj at
-    64 rows (tune_decode_linear.py): 64 output columns per program, k ranges of 1024 (8 steps of
-    128; more when there would be over 8 ranges), 5 stages."""
+    """Blocks for `linear_split_sums`, the best of sweeps on the H100 at 64 rows: 64 output
+    columns per program, 128-wide k steps, 5 stages; k ranges of 1024 (more when there would be
+    over 8 ranges) for a long K (the 0.5B down_proj, tune_decode_linear.py), of SHORT_K_RANGE for
+    K <= MAX_K (the 0.5B o_proj, in the decode step)."""
     bm = _rows_per_block(M)
     steps = -(-K // 128)
-    return dict(
-        BM=bm, BN=64, BK=128, num_warps=4, num_stages=5, k_per_split=max(8, -(-steps // 8)) * 128
-    )
+    k_range = SHORT_K_RANGE if K <= MAX_K else max(8, -(-steps // 8)) * 128
+    return dict(BM=bm, BN=64, BK=128, num_warps=4, num_stages=5, k_per_split=k_range)
 
 
 def linear_split_sums(
@@ -313,18 +318,23 @@ def linear_split_sums(
 
 
 def takes_split_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a product goes to `linear_split_sums`: as `takes`, but for the long reductions that
-    `takes` leaves to cuBLAS (K > MAX_K), without a bias."""
+    """Whether a product whose reader adds up parts goes to `linear_split_sums`: a decode batch
+    without a bias, with a long K (which `takes` leaves to cuBLAS) or, unless SHORT_K_RANGE is 0,
+    a short one."""
+    long_k = weight.shape[1] > MAX_K
     return (
-        SPLIT_SUMS and bias is None and _decode_batch(x, weight, None) and weight.shape[1] > MAX_K
+        SPLIT_SUMS
+        and bias is None
+        and (long_k or SHORT_K_RANGE > 0)
+        and _decode_batch(x, weight, None)
     )
 
 
 def linear_to_residual(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | SplitSums:
-    """A product whose only reader is the next `add_rms_norm` (a layer's down_proj): split-K
-    parts where `takes_split_sums`, else `linear`."""
+    """A product whose only reader is the next `add_rms_norm` (a layer's o_proj and down_proj):
+    split-K parts where `takes_split_sums`, else `linear`."""
     if takes_split_sums(x, weight, bias):
         return linear_split_sums(x, weight)
     return linear(x, weight, bias)

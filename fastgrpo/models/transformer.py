@@ -436,7 +436,8 @@ class DecoderLayer(nn.Module):
         """`forward_fused` over packed projections: residual add + norm, one q/k/v GEMM, o_proj,
         residual add + norm, one gate/up GEMM with SiLU * up, down_proj. At decode batch sizes
         `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue) and
-        may return down_proj as split-K parts (`SplitSums`) for the next norm to add up."""
+        may return o_proj and down_proj as split-K parts (`SplitSums`) for the next norm to add
+        up."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, residual = decode_linear.norm_linear(
@@ -444,11 +445,11 @@ class DecoderLayer(nn.Module):
         )  # (T, (Hq + 2 Hkv) * D), (T, H)
         q, k, v = qkv.split(attn.qkv.sizes, dim=-1)
         out = attn.attend_projected(q, k, v, cos, sin, attend, fused=True)  # (T, Hq*D)
-        x = decode_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
+        # o_proj and down_proj are each read only by the next norm, which can add up split-K parts
+        x = decode_linear.linear_to_residual(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
         act, residual = decode_linear.norm_linear(
             x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
         )  # (T, I), (T, H)
-        # down_proj's only reader is the next norm, which can add up split-K parts itself
         down = decode_linear.linear_to_residual(act, mlp.down_proj.weight, mlp.down_proj.bias)
         return down, residual
 

@@ -308,8 +308,9 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
         assert not decode_kernels_here
         fused = model(ids, positions, attend, fused_ops=True)
         want = exact(ids, positions, attend)
-    # per layer: q/k/v, o_proj, gate/up + SiLU (the one with swiglu), down_proj as split sums
-    assert decode_kernels_here == [False, False, True, "split"] * LLAMA_LIKE.num_layers
+    # per layer: q/k/v, o_proj as split sums, gate/up + SiLU (the one with swiglu), down_proj as
+    # split sums
+    assert decode_kernels_here == [False, "split", True, "split"] * LLAMA_LIKE.num_layers
     own = (plain.double() - want).abs()
     err = (fused.double() - want).abs()
     assert err.mean() <= 1.5 * own.mean() and err.max() <= 2 * own.max()
@@ -359,7 +360,11 @@ def test_bf16_decode_linear_at_real_shapes_is_as_accurate_as_torch(shape, M):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 64])
-@pytest.mark.parametrize("K,N", [(4864, 896), (1536, 576)], ids=["0.5B-down", "135M-down"])
+@pytest.mark.parametrize(
+    "K,N",
+    [(4864, 896), (1536, 576), (896, 896), (576, 576)],
+    ids=["0.5B-down", "135M-down", "0.5B-o_proj", "135M-o_proj"],
+)
 def test_bf16_split_sums_at_real_shapes_feed_the_norm_as_the_product_would(K, N, M):
     x, weight, _, _ = _inputs(M, K, N, seed=M + K, bias=False, swiglu=False)
     assert decode_linear.takes_split_sums(x, weight, None)
