@@ -29,8 +29,9 @@ in from registers as the Triton kernel folds it.
 Why: the Triton kernel computes every key's address (a pointer per element, chosen between the
 two caches) and loads only after the wait. On an H100 at the 0.5B shape and 64 rows, a spike of
 this kernel without RoPE took 4.2 us per call at slots 64-128 and 6.2 at slot 255, against 5.1-5.7
-and 8.4 for the Triton kernel with RoPE; this kernel took the decode step from 0.963 to 0.941 ms
-(-22 us, 8 of 10 paired rounds; benchmarks/results/decode_attention_gluon_h100_v1.txt).
+and 8.4 for the Triton kernel with RoPE (benchmarks/results/decode_attention_gluon_h100_v1.txt).
+In the decode step, replayed: -7.7 us against the Triton kernel (decode_step_ab_h100_v1.txt,
+section 10; the -22 us first recorded carried the whole-rollout harness's noise).
 
 Numerics: q and the new key rotated as `_rotate_rows` rotates them (each product rounded to bf16,
 the fp32 sum rounded), so the cache gets the Triton kernel's bits; scores and outputs are fp32 sums

@@ -22,9 +22,9 @@ pipeline starts its weight loads only after the wait. A kernel that only streams
 (benchmarks/results/spike_stream_gluon_h100_v1.txt). On the H100 at 64 rows of the 0.5B shape:
 9.4-9.5 us alone against 10.9 for the Triton kernel, 10.7-10.8 after the norm against 11.2-11.5,
 and -12 to -21 us per decode step in four runs of 12-14 paired rounds
-(benchmarks/results/gate_up_gluon_h100_v1.txt). Keeping one step's products running (DEPTH = 1)
-with a barrier per box of x: -31 us more per step, bitwise the same outputs
-(benchmarks/results/gate_up_depth_h100_v1.txt).
+(benchmarks/results/gate_up_gluon_h100_v1.txt, whole-rollout harness). A barrier per box of x
+and one step's products kept running (DEPTH = 1): -17 and -9 us per step, replayed, bitwise the
+same outputs (benchmarks/results/decode_step_ab_h100_v1.txt, section 10).
 
 Numerics: fp32 accumulation over k in the Triton kernel's order, gate and up rounded to bf16,
 silu(gate) = gate / (1 + exp(-gate)) rounded to bf16, the product rounded once. The exp and the
@@ -72,7 +72,7 @@ EXACT_EPILOGUE = os.environ.get("FASTGRPO_GLUON_GATE_UP_EXACT", "0") == "1"
 off by default: the approximate ones are faster in the step (see Numerics above)."""
 DEPTH = 1
 """k steps whose products may still be running when the next step's are issued (0: each step
-waits for its own, as the kernel did before: ~31 us per decode step slower at 0.5B)."""
+waits for its own, as the kernel did before: 9 us per decode step slower at 0.5B)."""
 _failed = False  # set when the kernel did not compile here: the Triton kernel serves from then on
 
 if gluon is not None:

@@ -282,8 +282,9 @@ def _launch(
     """One program per row of res_rows (R, H); x is the rows, or with splits > 0 the parts.
     Warps: one per 256 columns; twice that when the rows fit one wave of programs (a decode
     batch), where each row's loads are the whole critical path: 8 warps instead of 4 at H = 896
-    took the 0.5B decode step (49 norms) 15-23 us lower, 34 of 40 paired rounds on an H100
-    (benchmarks/results/norm_warps_h100_v1.txt)."""
+    took the 0.5B decode step (49 norms) 6.7 us lower on an H100, 22 us since o_proj's split-K
+    parts (benchmarks/results/decode_step_ab_h100_v1.txt, sections 10 and 14: replayed steps;
+    the 15-23 us of norm_warps_h100_v1.txt carried the whole-rollout harness's noise)."""
     R, H = res_rows.shape
     block = triton.next_power_of_2(H)
     one_wave = res_rows.is_cuda and R <= multiprocessors(res_rows.device)
