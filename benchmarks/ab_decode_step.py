@@ -26,6 +26,8 @@ Variants (`--variants`, the first is the baseline):
                           step (the kernel before session 15)
   o-proj-whole            o_proj as one product per column block (SHORT_K_RANGE = 0), not
                           split-K parts that the norm after it adds up
+  lm-head-sampler-off     the LM head by cuBLAS and the sampler on its logits, not the fused
+                          Gluon kernel
   norm-4-warps            the decode norms with one warp per 256 columns (4 at H = 896), as
                           before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
@@ -59,6 +61,7 @@ from fastgrpo.kernels import (  # noqa: E402
     decode_attention_gluon,
     decode_linear,
     decode_linear_gluon,
+    lm_head_sample,
     pdl,
     rms_norm,
 )
@@ -94,6 +97,7 @@ VARIANTS = {
     "gluon-gate-up-exact": {(decode_linear_gluon, "EXACT_EPILOGUE"): True},
     "gate-up-depth0": {(decode_linear_gluon, "DEPTH"): 0},
     "o-proj-whole": {(decode_linear, "SHORT_K_RANGE"): 0},
+    "lm-head-sampler-off": {(lm_head_sample, "ENABLED"): False},
     "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
     "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},

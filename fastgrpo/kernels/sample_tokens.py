@@ -258,18 +258,23 @@ def _check_inputs(logits, temperature, seeds, step) -> None:
             f"logits must be a (B, V) tensor of one of {KERNEL_DTYPES}, got "
             f"{logits.dtype} {tuple(logits.shape)}"
         )
+    check_sampling_args(*logits.shape, logits.device, temperature, seeds, step)
+
+
+def check_sampling_args(B: int, V: int, device, temperature, seeds, step) -> None:
+    """The temperature, the vocabulary size and the (seeds, step) tensors of a sampler call for B
+    rows on `device`; a clear error otherwise."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not isinstance(step, torch.Tensor):
         raise TypeError("step must be an int64 tensor (it lives on the device in a CUDA graph)")
-    B, V = logits.shape
     if not 0 < V < 2**31:
         raise ValueError(f"the vocabulary must have 1 to 2^31 - 1 entries, got {V}")
     for name, t, shapes in (("seeds", seeds, [(B,)]), ("step", step, [(), (B,)])):
-        if t.dtype != torch.int64 or tuple(t.shape) not in shapes or t.device != logits.device:
+        if t.dtype != torch.int64 or tuple(t.shape) not in shapes or t.device != device:
             raise ValueError(
                 f"{name} must be an int64 tensor of shape {' or '.join(map(str, shapes))} on "
-                f"{logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                f"{device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
 
 

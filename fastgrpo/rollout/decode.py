@@ -20,7 +20,7 @@ import torch
 from fastgrpo.kernels.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
-from fastgrpo.rollout.sampling import SamplingParams, sample_tokens
+from fastgrpo.rollout.sampling import SamplingParams, sample_from_hidden, sample_tokens
 from fastgrpo.transfer import to_device
 
 
@@ -149,11 +149,11 @@ class WaveBuffers:
         hidden = model(
             s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
         )
-        # a plain cuBLAS launch: it ends the step's chain of programmatic dependent launches, so
-        # in an eager step every cache write is done before the next step starts, which the Gluon
-        # attention's loads before its wait rely on (kernels/decode_attention_gluon.py)
-        logits = model.logits(hidden)  # (B, V)
-        s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=True)
+        # a plain launch (cuBLAS, or the fused LM head + sampler): it ends the step's chain of
+        # programmatic dependent launches, so in an eager step every cache write is done before
+        # the next step starts, which the Gluon attention's loads before its wait rely on
+        sampled = sample_from_hidden(hidden, model.lm_head_weight, self.params, self.seeds, s.step)
+        s.record(*sampled, self.stop_ids, fed=True)
 
     def _inputs(self) -> tuple:
         """Addresses the graph reads beyond its own buffers: parameters and the RoPE table. Checked

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.kernels import lm_head_sample
 from fastgrpo.kernels.sample_tokens import KERNEL_DTYPES, sample_tokens_fused, triton
 
 # read once at import; tests flip the module attribute
@@ -87,6 +88,27 @@ def sample_tokens(
     if _fused_serves(logits, params):
         return sample_tokens_fused(logits, params.temperature, seeds, step)
     return sample_tokens_torch(logits, params, seeds, step)
+
+
+def sample_from_hidden(
+    hidden: torch.Tensor,  # (B, H) final hidden states
+    lm_head_weight: torch.Tensor,  # (V, H)
+    params: SamplingParams,
+    seeds: torch.Tensor,  # (B,) int64
+    step: torch.Tensor,  # (B,) or () int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens(hidden @ lm_head_weight.T, ...)`. A decode batch on a Hopper GPU with the
+    plain settings (no top-k / top-p, at most `lm_head_sample.MAX_ROWS` bf16 rows) goes through
+    the fused LM-head sampler, which never writes the logits and keeps them in fp32; anything else
+    computes the logits, then samples."""
+    if _fused_serves(hidden, params) and lm_head_sample.takes(hidden, lm_head_weight):
+        sampled = lm_head_sample.lm_head_sample(
+            hidden, lm_head_weight, params.temperature, seeds, step
+        )
+        if sampled is not None:  # None: the kernel did not compile here (it warned)
+            return sampled
+    logits = torch.nn.functional.linear(hidden, lm_head_weight)  # (B, V)
+    return sample_tokens(logits, params, seeds, step)
 
 
 def _fused_serves(logits: torch.Tensor, params: SamplingParams) -> bool:
