@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import UncompilableKernel
 
 from fastgrpo.kernels import lm_head_sample as ops
 from fastgrpo.rollout import SamplingParams
@@ -125,14 +126,7 @@ def test_the_fused_path_serves_only_hopper_bf16_decode_batches():
 
 @pytest.mark.skipif(ops.gluon is None, reason="needs triton's Gluon")
 def test_a_sampler_that_does_not_compile_warns_once_and_hands_back(monkeypatch):
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("unsupported layout\nmore detail")
-
-            return launch
-
-    monkeypatch.setattr(ops, "_lm_head_sample_kernel", Broken())
+    monkeypatch.setattr(ops, "_lm_head_sample_kernel", UncompilableKernel())
     monkeypatch.setattr(ops, "_failed", False)
     monkeypatch.setattr(ops, "multiprocessors", lambda device: 4)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
