@@ -40,7 +40,8 @@ may differ from it by bf16 rounding.
 
 Caveat (the pre-wait loads): they are correct because every decode step's cache writes complete
 before the next step's kernels start: each step is its own CUDA graph replay, and an eager step
-holds plain launches (the LM head's cuBLAS GEMM) that end every PDL chain. A decode step with no
+holds plain launches (the LM head: cuBLAS, or the fused LM head + sampler of `lm_head_sample`)
+that end every PDL chain. A decode step with no
 such boundary between steps would need the loads after the wait. FASTGRPO_GLUON_ATTENTION=0 keeps
 the Triton kernel.
 
