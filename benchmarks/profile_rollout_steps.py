@@ -1,0 +1,127 @@
+"""Where a whole rollout's decode steps spend time beyond the replayed step (workload A).
+
+Why: `bench_rollout.py` times A from whole rollouts, (t(256 tokens) - t(1 token)) / 255, and in
+session 15 read 30-60 us per step above the same step replayed back to back
+(`ab_decode_step.py --replay`). This script runs A's rollouts with a CUDA event recorded before
+every decode step's graph replay (and one after the rollout), so each step's GPU time, any idle
+gap after it included, is known. Steps are grouped by what follows them on the host: the steps
+after which the host checks the finish flags (every `check_every` steps; the GPU drains while the
+host waits) and the others. For comparison: the same steps replayed back to back (as
+`--replay`), and the whole-rollout figure. Prints a table, then one JSON line.
+Run on a CUDA GPU:
+    python benchmarks/profile_rollout_steps.py [--rollouts 5] [--check-every 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
+
+from fastgrpo.rollout import decode  # noqa: E402
+from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
+
+NEW_TOKENS = 256
+
+
+class StepEvents:
+    """While active, a CUDA event (and the host's clock) before every `WaveBuffers.step`."""
+
+    def __init__(self):
+        self.marks: list[tuple[float, torch.cuda.Event]] = []
+        self._step = decode.WaveBuffers.step
+
+    def mark(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((time.perf_counter(), event))
+
+    def __enter__(self):
+        real = self._step
+
+        def step(wave):
+            self.mark()
+            real(wave)
+
+        decode.WaveBuffers.step = step
+        return self
+
+    def __exit__(self, *exc):
+        decode.WaveBuffers.step = self._step
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=5)
+    parser.add_argument("--check-every", type=int, default=8)
+    args = parser.parse_args()
+    model = native_model("0.5B")
+    prompts = prompts_of(64, 128, model.config.vocab_size)
+    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
+    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, check_every=args.check_every)
+
+    def rollout(new_tokens=NEW_TOKENS):
+        return engine.generate(
+            prompts, num_samples=1, max_new_tokens=new_tokens, params=PARAMS, seed=1
+        )
+
+    whole = (timed(rollout) - timed(lambda: rollout(1))) / (NEW_TOKENS - 1) * 1e3
+    checked, unchecked, host = [], [], []
+    for _ in range(args.rollouts):
+        torch.cuda.synchronize()
+        with StepEvents() as steps:
+            rollout()
+            steps.mark()  # after the last step (and the result's copies)
+        torch.cuda.synchronize()
+        marks = steps.marks
+        for i in range(len(marks) - 2):  # the last interval holds the result's copies
+            ms = marks[i][1].elapsed_time(marks[i + 1][1])
+            # step t = i + 1 of the rollout; the host checks after steps t % check_every == 0
+            (checked if (i + 1) % args.check_every == 0 else unchecked).append(ms)
+            host.append((marks[i + 1][0] - marks[i][0]) * 1e3)
+
+    wave = next(w for key, w in engine._kept.items() if key[3] == NEW_TOKENS)
+    replayed = []
+    for _ in range(args.rollouts):
+        wave.state.step.fill_(1)  # the first decode step: column 1 sampled, slot 0 fed
+        wave.state.slot.fill_(0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(NEW_TOKENS - 1):
+            wave.step()
+        end.record()
+        end.synchronize()
+        replayed.append(start.elapsed_time(end) / (NEW_TOKENS - 1))
+
+    every = checked + unchecked
+    rows = [
+        ("whole rollouts, (t(256) - t(1)) / 255", whole),
+        ("steps in rollouts, event to event, all", statistics.mean(every)),
+        ("  steps the host checks after", statistics.mean(checked)),
+        ("  the other steps", statistics.mean(unchecked)),
+        ("the same steps replayed back to back", statistics.mean(replayed)),
+        ("host time between two steps' launches", statistics.mean(host)),
+    ]
+    for name, ms in rows:
+        print(f"{name:<42} {ms:8.3f} ms")
+    print_result_line(
+        "profile_rollout_steps",
+        [dict(measure=name, ms=ms) for name, ms in rows],
+        check_every=args.check_every,
+        rollouts=args.rollouts,
+        checked_steps_ms=checked,
+        host_ms=host,
+    )
+
+
+if __name__ == "__main__":
+    main()
