@@ -113,10 +113,29 @@ def apply(patches: dict) -> dict:
     return before
 
 
+def forced_length_engine(model, **options) -> RolloutEngine:
+    """An engine whose stop id no sample can equal, so every completion runs to its limit."""
+    return RolloutEngine(model, stop_ids=[model.config.vocab_size], pad_id=0, **options)
+
+
+def replayed_step_ms(wave) -> float:
+    """ms per step of a wave's captured step replayed for A's decode steps back to back from the
+    first one (its step counters set back), between two CUDA events."""
+    state = wave.state
+    state.step.fill_(1)  # the first decode step: column 1 sampled, slot 0 fed
+    state.slot.fill_(0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(NEW_TOKENS - 1):
+        wave.step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (NEW_TOKENS - 1)
+
+
 def step_ms(model, prompts) -> float:
     """ms per decode step of a fresh engine (its graphs captured under the current settings)."""
-    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
-    engine = RolloutEngine(model, stop_ids=[never], pad_id=0)
+    engine = forced_length_engine(model)
 
     def seconds(new_tokens):
         return timed(
@@ -136,8 +155,7 @@ class Replayed:
     def __init__(self, model, prompts, patches: dict):
         before = apply(patches)
         try:
-            never = model.config.vocab_size  # no sampled id equals it: lengths are forced
-            self.engine = RolloutEngine(model, stop_ids=[never], pad_id=0)
+            self.engine = forced_length_engine(model)
             self.engine.generate(  # captures the step's graph under these settings
                 prompts, num_samples=1, max_new_tokens=NEW_TOKENS, params=PARAMS, seed=1
             )
@@ -147,16 +165,7 @@ class Replayed:
         self.step_ms()  # warm-up
 
     def step_ms(self) -> float:
-        state = self.wave.state
-        state.step.fill_(1)  # the first decode step: column 1 sampled, slot 0 fed
-        state.slot.fill_(0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(NEW_TOKENS - 1):
-            self.wave.step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / (NEW_TOKENS - 1)
+        return replayed_step_ms(self.wave)
 
 
 def main():

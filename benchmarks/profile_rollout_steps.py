@@ -25,12 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ab_decode_step import NEW_TOKENS, forced_length_engine, replayed_step_ms  # noqa: E402
 from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
 
 from fastgrpo.rollout import decode  # noqa: E402
-from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
-
-NEW_TOKENS = 256
 
 
 class StepEvents:
@@ -66,8 +64,7 @@ def main():
     args = parser.parse_args()
     model = native_model("0.5B")
     prompts = prompts_of(64, 128, model.config.vocab_size)
-    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
-    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, check_every=args.check_every)
+    engine = forced_length_engine(model, check_every=args.check_every)
 
     def rollout(new_tokens=NEW_TOKENS):
         return engine.generate(
@@ -90,17 +87,7 @@ def main():
             host.append((marks[i + 1][0] - marks[i][0]) * 1e3)
 
     wave = next(w for key, w in engine._kept.items() if key[3] == NEW_TOKENS)
-    replayed = []
-    for _ in range(args.rollouts):
-        wave.state.step.fill_(1)  # the first decode step: column 1 sampled, slot 0 fed
-        wave.state.slot.fill_(0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(NEW_TOKENS - 1):
-            wave.step()
-        end.record()
-        end.synchronize()
-        replayed.append(start.elapsed_time(end) / (NEW_TOKENS - 1))
+    replayed = [replayed_step_ms(wave) for _ in range(args.rollouts)]
 
     every = checked + unchecked
     rows = [

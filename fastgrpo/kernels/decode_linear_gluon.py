@@ -254,6 +254,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
     global _failed
     M, K = x.shape
     n_out = weight.shape[0] // 2
+    k_steps = triton.cdiv(K, BLOCK_K)
     programs = min(multiprocessors(), triton.cdiv(n_out, BLOCK_N))
     options = pdl.launch_options()
     try:
@@ -266,9 +267,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
-            K_STEPS=triton.cdiv(K, BLOCK_K),
+            K_STEPS=k_steps,
             STAGES=STAGES,
-            DEPTH=min(DEPTH, triton.cdiv(K, BLOCK_K)),  # a tile's steps: the most to keep running
+            DEPTH=min(DEPTH, k_steps),  # a tile's steps: the most to keep running
             EXACT=EXACT_EPILOGUE,
             num_warps=4,
             enable_fp_fusion=False,
