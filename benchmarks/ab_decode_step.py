@@ -30,6 +30,7 @@ Variants (`--variants`, the first is the baseline):
                           Gluon kernel
   positions-by-add        a decode step's positions formed by a torch add (a plain launch), not
                           in the token-inputs kernel
+  combine-plain           the fused LM-head sampler's per-row merge as a plain launch
   norm-4-warps            the decode norms with one warp per 256 columns (4 at H = 896), as
                           before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
@@ -102,6 +103,7 @@ VARIANTS = {
     "o-proj-whole": {(decode_linear, "SHORT_K_RANGE"): 0},
     "lm-head-sampler-off": {(lm_head_sample, "ENABLED"): False},
     "positions-by-add": {(decode, "FOLD_POSITIONS"): False},
+    "combine-plain": {(lm_head_sample, "COMBINE_PDL"): False},
     "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
     "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},
