@@ -28,6 +28,9 @@ Variants (`--variants`, the first is the baseline):
                           split-K parts that the norm after it adds up
   lm-head-sampler-off     the LM head by cuBLAS and the sampler on its logits, not the fused
                           Gluon kernel
+  positions-by-add        a decode step's positions formed by a torch add (a plain launch), not
+                          in the token-inputs kernel
+  combine-plain           the fused LM-head sampler's per-row merge as a plain launch
   norm-4-warps            the decode norms with one warp per 256 columns (4 at H = 896), as
                           before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
@@ -65,6 +68,7 @@ from fastgrpo.kernels import (  # noqa: E402
     pdl,
     rms_norm,
 )
+from fastgrpo.rollout import decode  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 NEW_TOKENS = 256
@@ -98,6 +102,8 @@ VARIANTS = {
     "gate-up-depth0": {(decode_linear_gluon, "DEPTH"): 0},
     "o-proj-whole": {(decode_linear, "SHORT_K_RANGE"): 0},
     "lm-head-sampler-off": {(lm_head_sample, "ENABLED"): False},
+    "positions-by-add": {(decode, "FOLD_POSITIONS"): False},
+    "combine-plain": {(lm_head_sample, "COMBINE_PDL"): False},
     "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
     "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},

@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from fastgrpo.kernels import pdl
 from fastgrpo.kernels.lm_head_stats import LN2, LOG2E, multiprocessors, tma_readable
 from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, gluon, warn_not_compiled
 from fastgrpo.kernels.sample_tokens import check_sampling_args
@@ -58,6 +59,9 @@ MAX_ROWS = 64
 """The most rows: all rows share each weight tile in one program (64 = one wgmma's M)."""
 BLOCK_B, BLOCK_V, BLOCK_K, NUM_WARPS = 64, 128, 64, 4
 SMEM_BYTES = 227 * 1024 - 1024  # the H100's limit per block, less the barriers
+COMBINE_PDL = True
+"""The per-row merge launched with programmatic dependent launch (where `pdl.active()`): it and
+the record kernel after it may be put on the SMs before the sampler kernel ends."""
 _failed = False  # set when the kernel did not compile here: the logits path serves from then on
 
 
@@ -388,7 +392,10 @@ if gluon is not None:
         B,
         P,
         P_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
+        pdl.start(PDL)
+        pdl.wait(PDL)  # the sampler kernel's partials
         row = tl.program_id(0)
         progs = tl.arange(0, P_PAD)
         ok = progs < P
@@ -493,5 +500,6 @@ def lm_head_sample(hidden, weight, temperature: float, seeds, step):
         B,
         programs,
         P_PAD=triton.next_power_of_2(programs),
+        **(pdl.launch_options() if COMBINE_PDL else {}),  # the sampler kernel stays plain
     )
     return tokens, logp

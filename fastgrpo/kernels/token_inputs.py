@@ -4,6 +4,8 @@ cos / sin rows of its position, cast to the activation dtype.
 What: `embed_and_angles(ids, positions, embed_weight, cos_table, sin_table, dtype)` returns
 (x (T, H), cos (T, D), sin (T, D)) equal to `embed_weight[ids]` and `cos_table[positions]`,
 `sin_table[positions]` cast to `dtype` (the model's `embed_tokens` and `RotaryTable.lookup`).
+With `position_offset` (a () tensor) the positions are `positions + position_offset`, added in
+the kernel: a decode step's positions are each row's prompt length plus the step's slot.
 
 Why: as torch ops these are five kernels (one gather for the embedding, a gather and a cast for
 each table) at the start of every decode step; plain launches between the step's Triton kernels
@@ -31,8 +33,13 @@ if triton is not None:
 ENABLED = os.environ.get("FASTGRPO_TOKEN_INPUTS", "1") != "0"
 
 
-def embed_and_angles_ref(ids, positions, embed_weight, cos_table, sin_table, dtype):
-    """(embed_weight[ids], cos_table[positions], sin_table[positions]), the tables cast to dtype."""
+def embed_and_angles_ref(
+    ids, positions, embed_weight, cos_table, sin_table, dtype, position_offset=None
+):
+    """(embed_weight[ids], cos_table[positions], sin_table[positions]), the tables cast to dtype;
+    `position_offset` (()), when given, is added to every position first."""
+    if position_offset is not None:
+        positions = positions + position_offset
     x = torch.nn.functional.embedding(ids, embed_weight)
     return x, cos_table[positions].to(dtype), sin_table[positions].to(dtype)
 
@@ -43,6 +50,7 @@ if triton is not None:
     def _embed_and_angles_kernel(
         ids_ptr,  # (T,) int64
         pos_ptr,  # (T,) int64
+        offset_ptr,  # () int64 added to every position, read when HAS_OFFSET
         w_ptr,  # (V, H) rows at stride_w
         cos_ptr,
         sin_ptr,  # (N, D) contiguous tables
@@ -54,6 +62,7 @@ if triton is not None:
         D,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
         PDL: tl.constexpr = False,  # programmatic dependent launch (kernels.pdl)
     ):
         pdl.start(PDL)
@@ -61,6 +70,8 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         row = tl.load(ids_ptr + t)
         pos = tl.load(pos_ptr + t)
+        if HAS_OFFSET:
+            pos += tl.load(offset_ptr)
         cols = tl.arange(0, BLOCK_H)
         for first in range(0, H, BLOCK_H):
             ok = first + cols < H
@@ -75,7 +86,9 @@ if triton is not None:
         tl.store(sin_out_ptr + t * D + dims, s.to(dtype), mask=ok_d)
 
 
-def embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, dtype):
+def embed_and_angles_triton(
+    ids, positions, embed_weight, cos_table, sin_table, dtype, position_offset=None
+):
     """As `embed_and_angles_ref`, by one Triton launch (one program per token). No host sync;
     ids and positions must be in range (the kernel does not check them, as a gather would)."""
     if triton is None:
@@ -87,6 +100,8 @@ def embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, 
         raise ValueError("the embedding needs unit stride on H and the tables must be contiguous")
     if sin_table.shape != cos_table.shape:
         raise ValueError(f"cos and sin tables differ: {cos_table.shape}, {sin_table.shape}")
+    if position_offset is not None and position_offset.numel() != 1:
+        raise ValueError(f"position_offset must hold one value, got {tuple(position_offset.shape)}")
     x = torch.empty(T, H, dtype=embed_weight.dtype, device=ids.device)
     out_dtype = torch.float32 if _interpreting() and dtype == torch.bfloat16 else dtype
     cos = torch.empty(T, D, dtype=out_dtype, device=ids.device)
@@ -95,6 +110,7 @@ def embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, 
         _embed_and_angles_kernel[(T,)](
             ids,
             positions,
+            positions if position_offset is None else position_offset,
             embed_weight,
             cos_table,
             sin_table,
@@ -106,6 +122,7 @@ def embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, 
             D,
             BLOCK_H=min(4096, triton.next_power_of_2(H)),
             BLOCK_D=triton.next_power_of_2(D),
+            HAS_OFFSET=position_offset is not None,
             num_warps=4,
             **pdl.launch_options(),
         )
@@ -114,8 +131,11 @@ def embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, 
     return x, cos, sin
 
 
-def embed_and_angles(ids, positions, embed_weight, cos_table, sin_table, dtype):
+def embed_and_angles(
+    ids, positions, embed_weight, cos_table, sin_table, dtype, position_offset=None
+):
     """The kernel on CUDA, else the reference."""
+    args = (ids, positions, embed_weight, cos_table, sin_table, dtype, position_offset)
     if ENABLED and triton is not None and ids.is_cuda:
-        return embed_and_angles_triton(ids, positions, embed_weight, cos_table, sin_table, dtype)
-    return embed_and_angles_ref(ids, positions, embed_weight, cos_table, sin_table, dtype)
+        return embed_and_angles_triton(*args)
+    return embed_and_angles_ref(*args)

@@ -511,22 +511,28 @@ class Transformer(nn.Module):
         *,
         position_bound: int | None = None,
         fused_ops: bool = False,
+        position_offset: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states (T, H) after the final norm for tokens (T,) at positions (T,).
+        """Hidden states (T, H) after the final norm for tokens (T,) at positions (T,)
+        (plus `position_offset`, a () tensor, when given: the fused path adds it in its first
+        kernel, so a decode step needs no launch to form its positions).
 
         `position_bound` (> every position) spares the device-to-host read of positions.max()
         that sizes the RoPE table: the rollout engine passes its cache length, so a decode step
         (or a CUDA graph capturing one) never waits on the host. `fused_ops`: take the fused
         inference kernels when they apply (see `use_fused_ops`).
         """
+        fused = use_fused_ops(input_ids, fused_ops)
+        if position_offset is not None and (position_bound is None or not fused):
+            positions, position_offset = positions + position_offset, None
         if position_bound is None:
             position_bound = int(positions.max()) + 1 if positions.numel() else 1
-        if use_fused_ops(input_ids, fused_ops):  # the embedding rows and tables in one kernel
+        if fused:  # the embedding rows and tables in one kernel
             weight = self.model.embed_tokens.weight
             rotary = self.rotary
             rotary.reserve(position_bound, input_ids.device)
             x, cos, sin = embed_and_angles(
-                input_ids, positions, weight, rotary.cos, rotary.sin, weight.dtype
+                input_ids, positions, weight, rotary.cos, rotary.sin, weight.dtype, position_offset
             )  # (T, H), (T, D), (T, D)
             residual = None
             for layer in self.model.layers:

@@ -12,6 +12,7 @@ captured again.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,9 @@ from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_from_hidden, sample_tokens
 from fastgrpo.transfer import to_device
+
+# FASTGRPO_FOLD_POSITIONS=0 forms a decode step's positions by a torch add (to compare)
+FOLD_POSITIONS = os.environ.get("FASTGRPO_FOLD_POSITIONS", "1") != "0"
 
 
 @dataclass
@@ -145,9 +149,17 @@ class WaveBuffers:
 
     def _step(self) -> None:
         s, model = self.state, self.model
-        positions = self.base_positions + s.slot  # (B,)
+        # each row's prompt length + this step's slot: added in the step's first kernel, not by
+        # a torch add (a plain launch in the chain of programmatic dependent launches)
+        folded = dict(position_offset=s.slot) if FOLD_POSITIONS else {}
+        positions = self.base_positions if FOLD_POSITIONS else self.base_positions + s.slot
         hidden = model(
-            s.last_token, positions, self.attend, position_bound=self.position_bound, fused_ops=True
+            s.last_token,
+            positions,
+            self.attend,
+            position_bound=self.position_bound,
+            fused_ops=True,
+            **folded,
         )
         # a plain launch (cuBLAS, or the fused LM head + sampler): it ends the step's chain of
         # programmatic dependent launches, so in an eager step every cache write is done before
