@@ -9,7 +9,7 @@ after which the host checks the finish flags (every `check_every` steps; the GPU
 host waits) and the others. For comparison: the same steps replayed back to back (as
 `--replay`), and the whole-rollout figure. Prints a table, then one JSON line.
 Run on a CUDA GPU:
-    python benchmarks/profile_rollout_steps.py [--rollouts 5] [--check-every 8]
+    python benchmarks/profile_rollout_steps.py [--rollouts 5] [--check-every 8] [--plain-looks]
 """
 
 from __future__ import annotations
@@ -61,10 +61,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=5)
     parser.add_argument("--check-every", type=int, default=8)
+    parser.add_argument(
+        "--plain-looks",
+        action="store_true",
+        help="the host waits for the device at each look at the finish flags (not lagged)",
+    )
     args = parser.parse_args()
     model = native_model("0.5B")
     prompts = prompts_of(64, 128, model.config.vocab_size)
     engine = forced_length_engine(model, check_every=args.check_every)
+    engine.lagged_looks = not args.plain_looks
 
     def rollout(new_tokens=NEW_TOKENS):
         return engine.generate(
@@ -104,9 +110,9 @@ def main():
         "profile_rollout_steps",
         [dict(measure=name, ms=ms) for name, ms in rows],
         check_every=args.check_every,
+        lagged_looks=engine.lagged_looks,
         rollouts=args.rollouts,
         checked_steps_ms=checked,
-        host_ms=host,
     )
 
 

@@ -18,6 +18,7 @@ from transformers import (
 from fastgrpo.kernels.decode_attention import decode_attention_ref
 from fastgrpo.models.loading import cache_dir
 from fastgrpo.models.transformer import ModelConfig, Transformer
+from fastgrpo.rollout.decode import WaveBuffers
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 
@@ -178,6 +179,36 @@ def test_how_often_the_host_checks_for_finished_rows_changes_no_result():
         assert torch.equal(out.lengths, outs[0].lengths)
     with pytest.raises(ValueError, match="check_every must be at least 1"):
         RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, check_every=0)
+
+
+def test_lagged_looks_at_the_finish_flags_give_the_same_rollout_one_look_later(monkeypatch):
+    """On a GPU each look at the finish flags answers with the copy the look before started (the
+    device never drains while the host waits): same tokens, and a wave whose rows have all
+    stopped ends one look later than with plain looks, not never."""
+    _, ours = tiny_pair("llama", seed=4)
+    params = SamplingParams(1.0)
+    free = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    stop = int(free.generate(PROMPTS, num_samples=2, max_new_tokens=4, params=params).tokens[0, 1])
+    steps = []
+    real_step = WaveBuffers.step
+    monkeypatch.setattr(WaveBuffers, "step", lambda wave: steps.append(1) or real_step(wave))
+
+    def run(stop_ids, lagged, new_tokens):
+        engine = RolloutEngine(ours, stop_ids=stop_ids, pad_id=0, check_every=4)
+        engine.lagged_looks = lagged
+        steps.clear()
+        out = engine.generate(PROMPTS, num_samples=2, max_new_tokens=new_tokens, params=params)
+        return out, len(steps)
+
+    (plain, _), (lagged, _) = run([stop], False, 13), run([stop], True, 13)
+    assert plain.finished.any() and plain.lengths.min() < 13
+    for field in ("tokens", "logp", "lengths", "finished"):
+        assert torch.equal(getattr(plain, field), getattr(lagged, field))
+    # every token stops a row: all rows stop at the first token, before any decode step
+    every = list(range(VOCAB))
+    (plain, plain_steps), (lagged, lagged_steps) = run(every, False, 20), run(every, True, 20)
+    assert (plain.lengths == 1).all() and (lagged.lengths == 1).all()
+    assert (plain_steps, lagged_steps) == (4, 8)
 
 
 def test_the_engine_samples_from_the_models_current_weights_with_no_copy():
