@@ -68,11 +68,12 @@ def replay_table(prof, steps: int, timeline: bool = False) -> str:
     )
     if not kernels:
         return "no CUDA kernels recorded"
-    sampler = [i for i, e in enumerate(kernels) if e.name == "_sample_splits_kernel"]
-    if len(sampler) < steps + 1:
-        return f"found {len(sampler)} sampler kernels for {steps} steps: cannot split steps"
-    # each decode step ends with its sampler; the decode steps are the kernels after the prefill's
-    first, last = sampler[-steps - 1] + 1, sampler[-1]
+    # each decode step ends with its bookkeeping kernel (after the sampler); the decode steps are
+    # the kernels after the prefill's
+    ends = [i for i, e in enumerate(kernels) if e.name == "_record_step_kernel"]
+    if len(ends) < steps + 1:
+        return f"found {len(ends)} step-end kernels for {steps} steps: cannot split steps"
+    first, last = ends[-steps - 1] + 1, ends[-1]
     window = kernels[first : last + 1]
     per_name = defaultdict(list)
     # each kernel's "frontier" share: how far it moves the latest end of all kernels so far, in
