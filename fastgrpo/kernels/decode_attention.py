@@ -35,6 +35,10 @@ at 64 rows from 1.036 to 0.998 ms (one launch fewer per layer; benchmarks/result
 rollout_rope_attention_h100_v1.txt). The kernel is latency-bound (one warp per scheduler, ~1200
 instructions per warp, ncu in the same file), so positions and offsets inside a sequence are int32.
 
+`rope_decode_attention_parts` takes this step's q, k and v as split-K parts of the packed
+q/k/v GEMM (`ProjectedParts`): on Hopper the Gluon kernel adds each value's parts and the bias as
+it loads them, so q/k/v's GEMM has more, shorter programs and no launch sums the parts.
+
 Reference: `decode_attention_ref` (einsum over padded caches, masks for prompt lengths and the
 step). It is the spec and the CPU path; `rope_decode_attention_ref` adds `rope.rope_write_kv_ref`.
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -573,3 +578,74 @@ def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, co
         )
     rope_write_kv_(q, k, v, cos, sin, comp_k, comp_v, slot)
     return decode_attention(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+
+
+@dataclass
+class ProjectedParts:
+    """A decode step's packed q/k/v projection as split-K parts: `partials` (S, B, (nh + 2 nkv)
+    d) fp32 over ranges of the hidden size, and the projection's `bias` or None. The projection
+    is the parts' sum in order plus the bias, rounded once to `dtype`."""
+
+    partials: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        """(B, (nh + 2 nkv) d): the projection, as the kernel forms it."""
+        out = self.partials[0]
+        for part in self.partials[1:]:
+            out = out + part
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(self.dtype)
+
+
+def takes_projected_parts(rows: int, nh: int, cos, sin, prompt_k, comp_k) -> bool:
+    """Whether `rope_decode_attention_parts` would add up parts in its kernel for a step of `rows`
+    rows and nh query heads (asked before the q/k/v GEMM, which otherwise returns one tensor)."""
+    return decode_attention_gluon.takes_parts(rows, nh, cos, sin, prompt_k, comp_k)
+
+
+def rope_decode_attention_parts(
+    qkv: ProjectedParts, nh: int, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot
+):
+    """`rope_decode_attention` of q, k and v = qkv.total() split into nh, nkv and nkv heads: the
+    Gluon kernel adds up the parts as it loads them where `takes_projected_parts`, else the parts
+    are summed first."""
+    _check_parts(qkv, nh, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+    nkv, d = prompt_k.shape[2:]
+    B = qkv.partials.shape[1]
+    if takes_projected_parts(B, nh, cos, sin, prompt_k, comp_k):
+        out = decode_attention_gluon.launch_parts(
+            qkv.partials, qkv.bias, nh, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v,
+            slot,
+        )  # fmt: skip
+        if out is not None:
+            return out
+    q, k, v = qkv.total().split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.reshape(B, nh, d), k.reshape(B, nkv, d), v.reshape(B, nkv, d)
+    return rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k,
+                                 comp_v, slot)  # fmt: skip
+
+
+def _check_parts(qkv, nh, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot) -> None:
+    """What `rope_decode_attention_parts` assumes of the parts, and of the rest as the kernel's
+    other entry points check it (views of the caches stand in for q, k and v's shapes)."""
+    parts, bias = qkv.partials, qkv.bias
+    nkv, d = prompt_k.shape[2:] if prompt_k.dim() == 4 else (0, 0)
+    width = (nh + 2 * nkv) * d
+    if parts.dim() != 3 or parts.shape[2] != width or nh % max(nkv, 1):
+        raise ValueError(
+            f"q/k/v parts (S, B, (nh + 2 nkv) d) = (S, B, {width}) expected for nh {nh} and "
+            f"caches {tuple(prompt_k.shape)}, got {tuple(parts.shape)}"
+        )
+    if parts.dtype != torch.float32 or not parts.is_contiguous():
+        raise ValueError(f"the parts must be contiguous fp32, got {parts.dtype}")
+    if bias is not None and (bias.shape != (width,) or bias.device != parts.device):
+        raise ValueError(f"the q/k/v bias must be ({width},) on the parts' device")
+    if parts.device != prompt_k.device or qkv.dtype != prompt_k.dtype:
+        raise ValueError("the parts must live with the caches, and round to the caches' dtype")
+    B = parts.shape[1]
+    q, k, v = prompt_k[0, 0, :1].expand(B, nh, d), comp_k[:, 0], comp_v[:, 0]
+    _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+    _check_rope_inputs(q, comp_k, comp_v, k, v, cos, sin)

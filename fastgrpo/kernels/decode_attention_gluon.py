@@ -148,10 +148,28 @@ if gluon is not None:
         return (a + c).to(dtype)
 
     @gluon.jit
+    def _projected(at, cols, mask, part_stride, bias_ptr, PARTS: gl.constexpr, dtype: gl.constexpr):
+        """This step's q, k or v at pointers `at` (columns `cols` of the projection): as stored
+        (PARTS 0), or the sum of PARTS fp32 split-K parts in order, plus the bias where one is
+        given (`bias_ptr` not None), rounded once to dtype, as a GEMM's fp32 output is."""
+        if PARTS == 0:
+            return gl.load(at, mask=mask, other=0.0)
+        x = gl.load(at, mask=mask, other=0.0)
+        for part in gl.static_range(1, PARTS):
+            x += gl.load(at + part * part_stride, mask=mask, other=0.0)
+        if bias_ptr is not None:
+            x += gl.load(bias_ptr + cols, mask=mask, other=0.0).to(gl.float32)
+        return x.to(dtype)
+
+    @gluon.jit
     def _attention_kernel(
         q_ptr,  # (B, nh, D): heads D apart, rows stride_q apart
         k_ptr,
         v_ptr,  # (B, nkv, D) this step's k (not yet rotated) and v: heads D apart
+        q_bias,
+        k_bias,
+        v_bias,  # with PARTS: q, k and v's biases (nh * D,), (nkv * D,) each, or None
+        part_stride,  # with PARTS: elements between one part of q, k and v and the next
         cos_ptr,
         sin_ptr,  # (B, D) each row's cos and sin
         pk_desc,
@@ -184,6 +202,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         PDL: gl.constexpr,
+        PARTS: gl.constexpr,  # 0: q, k, v as given; S: each the sum of S fp32 parts (+ bias)
     ):
         pid = gl.program_id(0)
         b = pid // NKV
@@ -218,9 +237,15 @@ if gluon is not None:
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
         swapped = (offs_d + D // 2) % D
         head_ok = gl.expand_dims(heads < REP, 1)
-        q_row = q_ptr + b.to(gl.int64) * stride_q + gl.expand_dims(kvh * REP + heads, 1) * D
-        q = gl.load(q_row + gl.expand_dims(offs_d, 0), mask=head_ok, other=0.0)
-        q_swapped = gl.load(q_row + gl.expand_dims(swapped, 0), mask=head_ok, other=0.0)
+        dtype: gl.constexpr = pk_desc.dtype
+        q_cols = gl.expand_dims(kvh * REP + heads, 1) * D
+        q_row = q_ptr + b.to(gl.int64) * stride_q
+        q_at = q_cols + gl.expand_dims(offs_d, 0)
+        q_swapped_at = q_cols + gl.expand_dims(swapped, 0)
+        q = _projected(q_row + q_at, q_at, head_ok, part_stride, q_bias, PARTS, dtype)
+        q_swapped = _projected(
+            q_row + q_swapped_at, q_swapped_at, head_ok, part_stride, q_bias, PARTS, dtype
+        )
         cos_row = gl.load(cos_ptr + b.to(gl.int64) * stride_cos + offs_d).to(gl.float32)
         sin_row = gl.load(sin_ptr + b.to(gl.int64) * stride_sin + offs_d).to(gl.float32)
         sin_signed = gl.where(offs_d < D // 2, -sin_row, sin_row)
@@ -259,10 +284,17 @@ if gluon is not None:
             issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
 
         # the new key: rotated, stored at the slot, folded in from registers
-        k_at = k_ptr + b.to(gl.int64) * stride_k + kvh * D
-        k_new = gl.load(k_at + offs_d)
-        k_new = _rotate(k_new, gl.load(k_at + swapped), cos_row, sin_signed)  # (D,)
-        v_new = gl.load(v_ptr + b.to(gl.int64) * stride_v + kvh * D + offs_d)
+        k_row = k_ptr + b.to(gl.int64) * stride_k
+        v_at_row = v_ptr + b.to(gl.int64) * stride_v
+        k_cols = kvh * D + offs_d
+        k_swapped_cols = kvh * D + swapped
+        every = offs_d < D
+        k_new = _projected(k_row + k_cols, k_cols, every, part_stride, k_bias, PARTS, dtype)
+        k_swapped = _projected(
+            k_row + k_swapped_cols, k_swapped_cols, every, part_stride, k_bias, PARTS, dtype
+        )
+        k_new = _rotate(k_new, k_swapped, cos_row, sin_signed)  # (D,)
+        v_new = _projected(v_at_row + k_cols, k_cols, every, part_stride, v_bias, PARTS, dtype)
         slot_at = ((b.to(gl.int64) * Tc + slot) * NKV + kvh) * D + offs_d
         gl.store(ck_ptr + slot_at, k_new)
         gl.store(cv_ptr + slot_at, v_new)
@@ -294,26 +326,71 @@ def applies(q, k, v, cos, sin, prompt_k, comp_k) -> bool:
     if not (ENABLED and not _failed and gluon is not None and q.is_cuda):
         return False
     B, nh, d = q.shape
-    nkv = prompt_k.shape[2]
     return (
-        d in (64, 128)
-        and nh // nkv <= QUERY_ROWS
-        and all(t.dtype == torch.bfloat16 for t in (q, k, v, prompt_k, comp_k))
+        all(t.dtype == torch.bfloat16 for t in (q, k, v))
         and q.stride(1) == d
         and k.stride(1) == d
         and v.stride(1) == d
-        and all(t.stride(-1) == 1 for t in (q, k, v, cos, sin))
+        and all(t.stride(-1) == 1 for t in (q, k, v))
         and all(t.stride(0) * t.element_size() % 16 == 0 for t in (q, k, v))
+        and _serves(B, nh, cos, sin, prompt_k, comp_k)
+    )
+
+
+def takes_parts(rows: int, nh: int, cos, sin, prompt_k, comp_k) -> bool:
+    """Whether the kernel would serve a call whose q, k and v come as split-K parts
+    (`launch_parts`), asked before the parts are computed: as `applies`, for `rows` rows."""
+    return (
+        ENABLED
+        and not _failed
+        and gluon is not None
+        and prompt_k.is_cuda
+        and _serves(rows, nh, cos, sin, prompt_k, comp_k)
+    )
+
+
+def _serves(B, nh, cos, sin, prompt_k, comp_k) -> bool:
+    nkv, d = prompt_k.shape[2:]
+    return (
+        d in (64, 128)
+        and nh % nkv == 0
+        and nh // nkv <= QUERY_ROWS
+        and prompt_k.dtype == comp_k.dtype == torch.bfloat16
+        and cos.stride(-1) == 1
+        and sin.stride(-1) == 1
         and prompt_k.is_contiguous()
         and comp_k.is_contiguous()
-        and multiprocessors(q.device) <= 2 * B * nkv <= 2 * multiprocessors(q.device)
-        and _hopper(q.device.index)
+        and multiprocessors(prompt_k.device) <= 2 * B * nkv <= 2 * multiprocessors(prompt_k.device)
+        and _hopper(prompt_k.device.index)
     )
 
 
 def launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot):
     """`rope_decode_attention` by the Gluon kernel where `applies`; None (with a warning the first
     time) when it does not compile with this triton: the caller then runs the Triton kernel."""
+    caches = (prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+    return _launch(q, k, v, (None, None, None), 0, 0, cos, sin, *caches)
+
+
+def launch_parts(
+    partials, bias, nh, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot
+):
+    """As `launch` for q, k and v given as split-K parts of the packed q/k/v projection:
+    `partials` (S, B, (nh + 2 nkv) d) fp32 contiguous and `bias` ((nh + 2 nkv) d,) or None. The
+    kernel adds each value's parts in order and the bias, and rounds once to the caches' dtype,
+    as it loads them; no separate sum is launched. Where `takes_parts`; None as `launch`."""
+    nkv, d = prompt_k.shape[2:]
+    edges = [0, nh * d, (nh + nkv) * d, (nh + 2 * nkv) * d]
+    q, k, v = (partials[0, :, a:b] for a, b in zip(edges, edges[1:]))
+    B = partials.shape[1]
+    q, k, v = q.view(B, nh, d), k.view(B, nkv, d), v.view(B, nkv, d)
+    biases = (None,) * 3 if bias is None else tuple(bias[a:b] for a, b in zip(edges, edges[1:]))
+    caches = (prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
+    return _launch(q, k, v, biases, partials.shape[0], partials.stride(0), cos, sin, *caches)
+
+
+def _launch(q, k, v, biases, parts, part_stride, cos, sin, prompt_k, prompt_v, prompt_lens,
+            comp_k, comp_v, slot):  # fmt: skip
     global _failed
     B, nh, d = q.shape
     P, Lp, nkv, _ = prompt_k.shape
@@ -326,10 +403,10 @@ def launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, s
 
     part = [PART_ROWS, d]
 
-    out = torch.empty(B, nh, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, nh, d, dtype=prompt_k.dtype, device=q.device)
     try:
         _attention_kernel[(B * nkv,)](
-            q, k, v, cos, sin,
+            q, k, v, *biases, part_stride, cos, sin,
             cache(prompt_k, P * Lp), cache(prompt_v, P * Lp),
             cache(comp_k, B * Tc), cache(comp_v, B * Tc),
             cache(prompt_k, P * Lp, part), cache(prompt_v, P * Lp, part),
@@ -337,7 +414,7 @@ def launch(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, s
             comp_k, comp_v, out, prompt_lens, slot,
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
             B // P, Lp, Tc, P, B, LOG2E / math.sqrt(d),
-            NKV=nkv, REP=nh // nkv, D=d, BLOCK_N=block_n, STAGES=stages,
+            NKV=nkv, REP=nh // nkv, D=d, BLOCK_N=block_n, STAGES=stages, PARTS=parts,
             num_warps=4, enable_fp_fusion=False, **pdl.launch_options(),
         )  # fmt: skip
     except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)

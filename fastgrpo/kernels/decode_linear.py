@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels import decode_linear_gluon, pdl
+from fastgrpo.kernels.decode_attention import ProjectedParts
 from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, tma_readable, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.swiglu import silu_mul
@@ -77,6 +78,13 @@ SHORT_K_RANGE = 384
 0 runs those whole, in `linear`. At the 0.5B o_proj (K = 896: ranges of 384, 384 and 128, 42
 programs) the decode step took 20-27 us less than with o_proj whole; 256, 512 and 640 did less
 well, 128 worse than whole (benchmarks/results/decode_step_ab_h100_v1.txt, sections 11-12)."""
+
+QKV_K_RANGE = 384
+"""The k range of the q/k/v product's split-K parts where the decode attention adds them up as it
+loads q, k and v (`linear_to_attention`); 0 runs q/k/v whole. At the 0.5B shape (K = 896: ranges
+of 384, 384 and 128) with QKV_BLOCK_N output columns per program: 108 programs of at most 3 k
+steps instead of 72 of 7."""
+QKV_BLOCK_N = 32
 
 
 def linear_ref(
@@ -337,6 +345,18 @@ def linear_to_residual(
     split-K parts where `takes_split_sums`, else `linear`."""
     if takes_split_sums(x, weight, bias):
         return linear_split_sums(x, weight)
+    return linear(x, weight, bias)
+
+
+def linear_to_attention(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts_read: bool
+) -> torch.Tensor | ProjectedParts:
+    """A packed q/k/v product whose only reader is the decode attention: split-K parts
+    (`ProjectedParts`, the bias carried along) where that attention adds them up (`parts_read`)
+    and the product is a decode batch, else `linear`."""
+    if parts_read and SPLIT_SUMS and QKV_K_RANGE > 0 and _decode_batch(x, weight, bias):
+        config = dict(BN=QKV_BLOCK_N, k_per_split=QKV_K_RANGE)
+        return ProjectedParts(linear_split_sums(x, weight, config).partials, bias, x.dtype)
     return linear(x, weight, bias)
 
 

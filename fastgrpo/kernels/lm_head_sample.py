@@ -57,7 +57,10 @@ if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer; this ke
 ENABLED = os.environ.get("FASTGRPO_LM_HEAD_SAMPLER", "1") != "0"
 MAX_ROWS = 64
 """The most rows: all rows share each weight tile in one program (64 = one wgmma's M)."""
-BLOCK_B, BLOCK_V, BLOCK_K, NUM_WARPS = 64, 128, 64, 4
+BLOCK_B, BLOCK_V, BLOCK_K = 64, 128, 64
+NUM_WARPS = 8
+"""Two warpgroups, each with all rows and half of every tile's columns (4: one warpgroup): the
+epilogue's hashing per warp halves, and two warps per scheduler hide its latencies."""
 SMEM_BYTES = 227 * 1024 - 1024  # the H100's limit per block, less the barriers
 COMBINE_PDL = True
 """The per-row merge launched with programmatic dependent launch (where `pdl.active()`): it and
@@ -252,9 +255,13 @@ if gluon is not None:
         pid = gl.program_id(0)
         n_progs = gl.num_programs(0)
         SUB_V: gl.constexpr = BLOCK_V // 2  # two accumulators per tile (see the module docstring)
-        # one accumulator per SUB_V columns; warps stacked along the rows, a quad of lanes per row
+        # one accumulator per SUB_V columns: each warpgroup holds all rows and 1 / WARPGROUPS of
+        # the columns (a wgmma's M is 64 per warpgroup), a quad of lanes per row
+        WARPGROUPS: gl.constexpr = NUM_WARPS // 4
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, SUB_V, 16]
+            version=[3, 0],
+            warps_per_cta=[4, WARPGROUPS],
+            instr_shape=[16, SUB_V // WARPGROUPS, 16],
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.kernels import decode_linear
+from fastgrpo.kernels.decode_attention import ProjectedParts
 from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
 from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
@@ -337,6 +338,24 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return self.o_proj(self.attend_projected(q, k, v, cos, sin, attend, fused))  # (T, H)
 
+    def project_and_attend(self, h, cos, sin, attend: Attend) -> torch.Tensor:
+        """The packed q/k/v GEMM, then the fused path's attention, of normed h (T, H): (T, Hq*D).
+        An `attend` that adds up split-K parts in its kernel (`takes_projected_parts`: a decode
+        step on Hopper) gets the GEMM's parts, and no launch sums them."""
+        T = h.shape[0]
+        takes = getattr(attend, "takes_projected_parts", None)
+        parts_read = (
+            self.q_norm is None
+            and takes is not None
+            and takes(self.layer_index, T, self.num_heads, cos, sin)
+        )
+        qkv = decode_linear.linear_to_attention(h, self.qkv.weight, self.qkv.bias, parts_read)
+        if isinstance(qkv, ProjectedParts):
+            out = attend.rope_and_attend_parts(self.layer_index, qkv, self.num_heads, cos, sin)
+            return out.reshape(T, self.num_heads * self.head_dim)
+        q, k, v = qkv.split(self.qkv.sizes, dim=-1)  # (T, Hq*D), (T, Hkv*D) x 2
+        return self.attend_projected(q, k, v, cos, sin, attend, fused=True)
+
     def attend_projected(self, q, k, v, cos, sin, attend: Attend, fused: bool) -> torch.Tensor:
         """Attention output (T, Hq*D), before o_proj, of projected q (T, Hq*D), k and v
         (T, Hkv*D). On the fused path an `attend` that keeps a KV cache may rotate and store
@@ -440,11 +459,8 @@ class DecoderLayer(nn.Module):
         up."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = decode_linear.norm_linear(
-            x, residual, norm1.weight, norm1.eps, attn.qkv.weight, attn.qkv.bias
-        )  # (T, (Hq + 2 Hkv) * D), (T, H)
-        q, k, v = qkv.split(attn.qkv.sizes, dim=-1)
-        out = attn.attend_projected(q, k, v, cos, sin, attend, fused=True)  # (T, Hq*D)
+        h, residual = add_rms_norm(x, residual, norm1.weight, norm1.eps)  # (T, H) each
+        out = attn.project_and_attend(h, cos, sin, attend)  # (T, Hq*D)
         # o_proj and down_proj are each read only by the next norm, which can add up split-K parts
         x = decode_linear.linear_to_residual(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
         act, residual = decode_linear.norm_linear(

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.decode_attention import decode_attention, rope_decode_attention
+from fastgrpo.kernels.decode_attention import (
+    ProjectedParts,
+    decode_attention,
+    rope_decode_attention,
+    rope_decode_attention_parts,
+    takes_projected_parts,
+)
 from fastgrpo.kernels.kv_write import write_kv
 
 
@@ -85,6 +91,16 @@ class DecodeAttention:
         """As __call__ for q and k not yet rotated: on a GPU the rotation, the KV write and the
         attention are one kernel (`rope_decode_attention`)."""
         return rope_decode_attention(q, k, v, cos, sin, *self._caches(layer), self.slot)
+
+    def takes_projected_parts(self, layer: int, rows: int, nh: int, cos, sin) -> bool:
+        """Whether `rope_and_attend_parts` adds up q/k/v's split-K parts in its kernel."""
+        c = self.cache
+        return takes_projected_parts(rows, nh, cos, sin, c.prompt_k[layer], c.comp_k[layer])
+
+    def rope_and_attend_parts(self, layer: int, qkv: ProjectedParts, nh: int, cos, sin):
+        """As `rope_and_attend`, for q, k and v as the packed q/k/v GEMM's split-K parts."""
+        caches = self._caches(layer)
+        return rope_decode_attention_parts(qkv, nh, cos, sin, *caches, self.slot)
 
     def _caches(self, layer: int):
         """(prompt_k, prompt_v, prompt_lens, comp_k, comp_v) of one layer, as the kernels take them."""

@@ -135,3 +135,67 @@ def test_stale_nan_past_the_valid_keys_changes_nothing(step):
     out = gluon_attention.launch(*stale)
     assert torch.equal(out, want)
     assert torch.equal(ck[:, : step + 1], clean[8][:, : step + 1])
+
+
+def _parts_case(heads, step, bias: bool, seed=0):
+    """`_rope_inputs` at a real shape with q, k and v replaced by three fp32 split-K parts (and a
+    bf16 bias) of the packed projection; returns (parts, the inputs with q/k/v = parts.total())."""
+    inputs = _rope_inputs(_real_case(*heads, step, seed=seed), dtype=torch.bfloat16, seed=seed)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
+    B, nh, d = q.shape
+    nkv = k.shape[1]
+    gen = torch.Generator().manual_seed(seed + 7)
+    width = (nh + 2 * nkv) * d
+    partials = (torch.randn(3, B, width, generator=gen) * 0.6).to(q.device)
+    b = (torch.randn(width, generator=gen) * 0.3).to(torch.bfloat16).to(q.device) if bias else None
+    parts = ops.ProjectedParts(partials, b, torch.bfloat16)
+    q, k, v = parts.total().split([nh * d, nkv * d, nkv * d], dim=-1)
+    summed = (q.view(B, nh, d), k.view(B, nkv, d), v.view(B, nkv, d), *inputs[3:])
+    return parts, summed
+
+
+def test_projected_parts_are_summed_in_order_plus_the_bias_then_rounded_once():
+    partials = torch.tensor([[[1.0, 2.0**-9]], [[2.0**-9, 3.0]], [[1.5, -1.0]]])
+    bias = torch.tensor([2.0**-8, 0.5], dtype=torch.bfloat16)
+    got = ops.ProjectedParts(partials, bias, torch.bfloat16).total()
+    want = (((partials[0] + partials[1]) + partials[2]) + bias.float()).to(torch.bfloat16)
+    assert torch.equal(got, want) and got.dtype == torch.bfloat16
+    # rounded once: 2.5 + 2**-9 + 2**-8 is not a bf16, and two roundings would lose the 2**-9
+    assert float(got[0, 0]) == float(torch.tensor(2.5 + 2**-9 + 2**-8).to(torch.bfloat16))
+
+
+def test_rope_decode_attention_parts_is_the_attention_of_the_summed_projection():
+    """On CPU (and wherever the Gluon kernel does not serve) the parts are summed first: the
+    output and the cache writes are `rope_decode_attention`'s on the summed q, k and v."""
+    parts, summed = _parts_case(REAL["nh14-nkv2-d64"], 37, bias=True)
+    parts = ops.ProjectedParts(parts.partials.cpu(), parts.bias.cpu(), parts.dtype)
+    summed = [t.cpu() for t in summed]
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = summed
+    want_ck, want_cv = ck.clone(), cv.clone()
+    want = ops.rope_decode_attention(q.clone(), k.clone(), v, cos, sin, pk, pv, lens, want_ck,
+                                     want_cv, slot)  # fmt: skip
+    got = ops.rope_decode_attention_parts(parts, q.shape[1], cos, sin, pk, pv, lens, ck, cv, slot)
+    assert torch.equal(got, want)
+    assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)
+    with pytest.raises(ValueError, match="q/k/v parts"):
+        ops.rope_decode_attention_parts(parts, 12, cos, sin, pk, pv, lens, ck, cv, slot)
+    half = ops.ProjectedParts(parts.partials.half(), None, parts.dtype)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        ops.rope_decode_attention_parts(half, 14, cos, sin, pk, pv, lens, ck, cv, slot)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("step", [0, 129, 255])
+def test_gluon_attention_adds_up_projected_parts_as_the_summed_projection(step, bias):
+    """The kernel's sum of the parts (in order, then the bias, rounded once) is the projection's
+    `total()`: output and cache writes bitwise those of the kernel given the summed q, k, v."""
+    parts, summed = _parts_case(REAL["nh14-nkv2-d64"], step, bias, seed=step)
+    q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = summed
+    want_ck, want_cv = ck.clone(), cv.clone()
+    want = gluon_attention.launch(q, k, v, cos, sin, pk, pv, lens, want_ck, want_cv, slot)
+    assert ops.takes_projected_parts(q.shape[0], q.shape[1], cos, sin, pk, ck)
+    got = ops.rope_decode_attention_parts(parts, q.shape[1], cos, sin, pk, pv, lens, ck, cv, slot)
+    assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)
+    assert torch.equal(got, want)

@@ -341,3 +341,48 @@ def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
         outs.append(engine.generate(PROMPTS, num_samples=4, max_new_tokens=40, params=params))
     assert torch.equal(outs[0].tokens, outs[1].tokens)
     assert torch.equal(outs[0].logp, outs[1].logp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_q_k_v_as_split_k_parts_keep_the_engines_log_probs_as_close_to_the_trainers():
+    """Where the Gluon attention serves (Hopper; 64 rows x 2 kv heads of d 64), the packed q/k/v
+    GEMM hands it split-K parts plus the bias (Qwen2) to add up: the rollout's log-probs agree
+    with the fp32 trainer's as well as with q/k/v whole."""
+    from fastgrpo.kernels import decode_attention_gluon, decode_linear
+
+    torch.manual_seed(11)
+    hf_config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    exact = Transformer(ModelConfig.from_hf(hf_config)).eval()
+    for p in exact.parameters():  # the trainer's weights rounded as the engine's are
+        p.data = p.data.to(torch.bfloat16).float()
+    ours = Transformer(ModelConfig.from_hf(hf_config)).eval()
+    ours.load_state_dict(exact.state_dict())
+    ours = ours.cuda().to(torch.bfloat16)
+    ours.pack_projections()
+    prompts = [[(7 * p + i) % (VOCAB - 1) for i in range(3 + p)] for p in range(16)]
+    params = SamplingParams(1.0)
+    calls = []
+    real = decode_attention_gluon.launch_parts
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    errors = {}
+    for name, k_range in (("parts", decode_linear.QKV_K_RANGE), ("whole", 0)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(decode_linear, "QKV_K_RANGE", k_range)
+            patch.setattr(decode_attention_gluon, "launch_parts", counted)
+            engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+            out = engine.generate(prompts, num_samples=4, max_new_tokens=12, params=params, seed=5)
+        if name == "parts" and torch.cuda.get_device_capability() == (9, 0):
+            assert len(calls) >= 2  # every layer's attention added up parts (at capture)
+        out = type(out)(*(t.cpu() for t in (out.tokens, out.logp, out.lengths, out.finished)))
+        want = trainer_logp(exact, prompts, out, 4, 1.0)
+        errors[name] = (out.logp.double() - want).abs().mean().item()
+    assert errors["parts"] <= 1.5 * errors["whole"] + 1e-3, errors
