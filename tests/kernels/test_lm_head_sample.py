@@ -99,6 +99,26 @@ def test_a_tie_between_two_programs_goes_to_the_lower_column():
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("other", [5 + ops.BLOCK_V // 4, 5 + ops.BLOCK_V // 2, 5 + 3 * ops.BLOCK_V])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tie_inside_one_tile_goes_to_the_lower_column(other, temperature):
+    """Two equal best logits in one tile: in the other warpgroup's columns of the same
+    accumulator (5 + 32), in the tile's other accumulator (5 + 64), or in another program's tile
+    (greedy) / with noise making them unequal (sampled, compared with the reference's scores).
+    Each warpgroup writes its own part, so the merge must pick the lowest column there too."""
+    x, w, seeds, step = _inputs(8, 64, 4096, seed=other)
+    w[5] = w[other] = (x.float().mean(0) * 50).bfloat16()
+    tokens, logp = ops.lm_head_sample(x, w, temperature, seeds, step)
+    if temperature:
+        _check(tokens, logp, x, w, temperature, seeds, step)
+        return
+    logits = x.float() @ w.float().t()
+    winners = logits.max(-1).values == logits[:, 5]
+    assert winners.any() and (tokens[winners] == 5).all()
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_captured_in_a_cuda_graph_follows_the_step_changed_in_place():
     x, w, seeds, step = _inputs(64, 896, 151936, seed=5)
     ops.lm_head_sample(x, w, 1.0, seeds, step)  # compile outside the capture
