@@ -11,11 +11,11 @@ them to bf16). The plain setting only (no top-k, no top-p).
 How: a persistent kernel, one program per SM. Program p computes vocabulary tiles p, p + grid, ...
 of 128 columns as two 64 x 64 fp32 accumulators (two warpgroups, each with all rows and half of
 each accumulator's columns; two accumulators rather than one keep the noise hashes and the
-accumulator from spilling). One ring of stages (hidden's k slice and
-the tile's weight rows) runs over all k steps of all of a program's tiles as one sequence, with an
-mbarrier per stage, so the next tile's weight streams in while this tile's epilogue hashes its
-noise and folds each row's best score, its column, and the running max and sum of exponentials.
-A small Triton kernel merges the programs per row (ties: the lowest column).
+accumulator from spilling). One ring of stages (hidden's k slice and the tile's weight rows) runs
+over all k steps of all of a program's tiles as one sequence, with an mbarrier per stage, so the
+next tile's weight streams in while this tile's epilogue hashes its noise and folds each row's
+best score, its column, and the running max and sum of exponentials. A small Triton kernel
+merges the programs per row (ties: the lowest column).
 
 Why: the cuBLAS LM head at 64 rows of the 0.5B shape (272 MB of weight) took 109 us, then the
 sampler, compute-bound (a 32-bit hash, two log2 and an exp2 per column), 27 us more; a plain
@@ -25,10 +25,10 @@ are ~2 us slower alone but -2.9 us per replayed step; with log2 flushing subnorm
 instructions around each MUFU.LG2) 104.2 us alone and -6.7 to -7.2 us per replayed step. The
 sampling epilogue is still not hidden behind the weight's stream: greedy takes 98 us. In the
 decode step, replayed: -12.6 us per step against cuBLAS + the sampler, 12 of 12 rounds
-(benchmarks/results/decode_step_ab_h100_v1.txt, section 17; first reverted when the whole-rollout harness could not
-see it). The launch is a plain one, so in an eager step it ends the chain of programmatic
-dependent launches as the cuBLAS LM head did. The hash functions are written again in Gluon's
-dialect: a Gluon kernel cannot call `triton.jit` functions.
+(benchmarks/results/decode_step_ab_h100_v1.txt, section 17; first reverted when the
+whole-rollout harness could not see it). The launch is a plain one, so in an eager step it ends
+the chain of programmatic dependent launches as the cuBLAS LM head did. The hash functions are
+written again in Gluon's dialect: a Gluon kernel cannot call `triton.jit` functions.
 
 Reference: `lm_head_sample_ref`, fp32 logits by torch, then the torch sampler.
 """

@@ -86,27 +86,14 @@ def test_samples_follow_the_softmax_of_the_logits():
 
 @pytest.mark.gpu
 @needs_hopper
-def test_a_tie_between_two_programs_goes_to_the_lower_column():
-    """Greedy, two equal best logits in tiles of different programs (5 and 5 + 3 x 128): program
-    order is not column order, so the merge must pick the lowest column."""
-    x, w, seeds, step = _inputs(8, 64, 4096, seed=2)
-    w[5] = w[5 + 3 * 128] = (x.float().mean(0) * 50).bfloat16()
-    tokens, _ = ops.lm_head_sample(x, w, 0.0, seeds, step)
-    logits = x.float() @ w.float().t()
-    winners = logits.max(-1).values == logits[:, 5]
-    assert winners.any() and (tokens[winners] == 5).all()
-
-
-@pytest.mark.gpu
-@needs_hopper
 @pytest.mark.parametrize("other", [5 + ops.BLOCK_V // 4, 5 + ops.BLOCK_V // 2, 5 + 3 * ops.BLOCK_V])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_tie_inside_one_tile_goes_to_the_lower_column(other, temperature):
-    """Two equal best logits in one tile: in the other warpgroup's columns of the same
-    accumulator (5 + 32), in the tile's other accumulator (5 + 64), or in another program's tile
-    (greedy) / with noise making them unequal (sampled, compared with the reference's scores).
-    Each warpgroup writes its own part, so the merge must pick the lowest column there too."""
-    x, w, seeds, step = _inputs(8, 64, 4096, seed=other)
+def test_a_tie_goes_to_the_lower_column(other, temperature):
+    """Two equal best logits: in the other warpgroup's columns of the same accumulator (5 + 32),
+    in the tile's other accumulator (5 + 64), or in another program's tile (5 + 3 x 128: program
+    order is not column order, so the merge must pick the lowest column). Greedy must pick 5;
+    sampled, where the noise breaks the tie, must match the reference's scores."""
+    x, w, seeds, step = _inputs(8, 64, 4096, seed=2)
     w[5] = w[other] = (x.float().mean(0) * 50).bfloat16()
     tokens, logp = ops.lm_head_sample(x, w, temperature, seeds, step)
     if temperature:
