@@ -31,6 +31,8 @@ Variants (`--variants`, the first is the baseline):
   positions-by-add        a decode step's positions formed by a torch add (a plain launch), not
                           in the token-inputs kernel
   combine-plain           the fused LM-head sampler's per-row merge as a plain launch
+  lm-head-plain           the fused LM-head sampler as a plain launch in the captured step too,
+                          its weight asked for only at its start (as before session 18)
   norm-4-warps            the decode norms with one warp per 256 columns (4 at H = 896), as
                           before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
@@ -105,6 +107,7 @@ VARIANTS = {
     "lm-head-sampler-off": {(lm_head_sample, "ENABLED"): False},
     "positions-by-add": {(decode, "FOLD_POSITIONS"): False},
     "combine-plain": {(lm_head_sample, "COMBINE_PDL"): False},
+    "lm-head-plain": {(lm_head_sample, "WEIGHT_BEFORE_WAIT"): False},
     "lm-head-4-warps": {(lm_head_sample, "NUM_WARPS"): 4},
     "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},

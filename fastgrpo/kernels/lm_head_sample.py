@@ -26,9 +26,15 @@ instructions around each MUFU.LG2) 104.2 us alone and -6.7 to -7.2 us per replay
 sampling epilogue is still not hidden behind the weight's stream: greedy takes 98 us. In the
 decode step, replayed: -12.6 us per step against cuBLAS + the sampler, 12 of 12 rounds
 (benchmarks/results/decode_step_ab_h100_v1.txt, section 17; first reverted when the
-whole-rollout harness could not see it). The launch is a plain one, so in an eager step it ends
-the chain of programmatic dependent launches as the cuBLAS LM head did. The hash functions are
-written again in Gluon's dialect: a Gluon kernel cannot call `triton.jit` functions.
+whole-rollout harness could not see it). Inside a captured step the kernel is launched with
+programmatic dependent launch and asks for every stage's weight tile before it waits for the
+final norm, the hidden slices after: -2.6 us per replayed step, 8 of 8 rounds, bitwise the same
+samples (benchmarks/results/lm_head_sample_pdl_h100_v1.txt). In an eager step the launch is a
+plain one, so it ends the chain of programmatic dependent launches as the cuBLAS LM head did:
+every cache write of the step is done before the next step's kernels start, which the Gluon
+attention's loads before its wait rely on (a graph replay's end gives the same order). The hash
+functions are written again in Gluon's dialect: a Gluon kernel cannot call `triton.jit`
+functions.
 
 Reference: `lm_head_sample_ref`, fp32 logits by torch, then the torch sampler.
 """
@@ -57,6 +63,8 @@ if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer; this ke
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from fastgrpo.kernels.decode_linear_gluon import _pdl_start, _pdl_wait
+
 # FASTGRPO_LM_HEAD_SAMPLER=0 keeps a decode step's logits in memory for the sampler (to compare)
 ENABLED = os.environ.get("FASTGRPO_LM_HEAD_SAMPLER", "1") != "0"
 MAX_ROWS = 64
@@ -66,6 +74,10 @@ NUM_WARPS = 8
 """Two warpgroups, each with all rows and half of every tile's columns (4: one warpgroup): the
 epilogue's hashing per warp halves, and two warps per scheduler hide its latencies."""
 SMEM_BYTES = 227 * 1024 - 1024  # the H100's limit per block, less the barriers
+WEIGHT_BEFORE_WAIT = True
+"""Inside a captured decode step, launched with programmatic dependent launch: the ring's first
+weight tiles are asked for before the kernel waits for the final norm (the weight is no kernel's
+output), the hidden rows after it."""
 COMBINE_PDL = True
 """The per-row merge launched with programmatic dependent launch (where `pdl.active()`): it and
 the record kernel after it may be put on the SMs before the sampler kernel ends."""
@@ -191,16 +203,20 @@ if gluon is not None:
         BLOCK_V: gl.constexpr,
         BLOCK_K: gl.constexpr,
         STAGES: gl.constexpr,
+        WITH_HIDDEN: gl.constexpr,
     ):
         """Bulk loads of the program's global k step `step` (its tile i = step // k_tiles): the
-        hidden rows' k slice (from L2 after the first tile) and the tile's weight rows."""
+        tile's weight rows and, WITH_HIDDEN, the hidden rows' k slice (from L2 after the first
+        tile). The stage's barrier expects both, so the first fill asks for the weight before the
+        PDL wait and for the hidden after it."""
         i = step // k_tiles
         ki = step - i * k_tiles
         tile = pid + i * n_progs
         s = step % STAGES
         bar = ready.index(s)
         mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(h_desc, [0, ki * BLOCK_K], bar, a_smem.index(s))
+        if WITH_HIDDEN:
+            tma.async_copy_global_to_shared(h_desc, [0, ki * BLOCK_K], bar, a_smem.index(s))
         tma.async_copy_global_to_shared(
             w_desc, [tile * BLOCK_V, ki * BLOCK_K], bar, b_smem.index(s)
         )
@@ -228,7 +244,7 @@ if gluon is not None:
             if issued < g + STAGES:
                 _issue_load(
                     h_desc, w_desc, a_smem, b_smem, ready, issued, pid, n_progs, k_tiles,
-                    BLOCK_V, BLOCK_K, STAGES,
+                    BLOCK_V, BLOCK_K, STAGES, True,
                 )  # fmt: skip
                 issued += 1
         return issued
@@ -257,6 +273,7 @@ if gluon is not None:
         NUM_WARPS: gl.constexpr,
         GREEDY: gl.constexpr,
         EVEN_V: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         pid = gl.program_id(0)
         n_progs = gl.num_programs(0)
@@ -278,6 +295,7 @@ if gluon is not None:
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
         fence_async_shared()
+        _pdl_start(PDL)
 
         n_tiles = gl.cdiv(V, BLOCK_V)
         k_tiles = gl.cdiv(H, BLOCK_K)
@@ -286,9 +304,19 @@ if gluon is not None:
 
         ring = (h_desc, w_desc, a_smem, b_smem, ready)
         tiling = (pid, n_progs, k_tiles, BLOCK_V, BLOCK_K, STAGES)
-        issued = n_tiles * 0  # run-time i32, loop-carried
-        for _ in gl.static_range(STAGES):  # fill every stage
-            issued = _refill(*ring, issued, total, 0, *tiling)
+        # every stage's weight first (no kernel writes it), then the wait for the final norm, then
+        # the stages' hidden slices
+        for j in gl.static_range(STAGES):
+            if j < total:
+                _issue_load(*ring, j, *tiling, False)
+        issued = gl.minimum(total, STAGES)  # run-time i32, loop-carried
+        _pdl_wait(PDL)
+        for j in gl.static_range(STAGES):
+            if j < total:  # load j: tile j // k_tiles, k step j % k_tiles
+                k = j - (j // k_tiles) * k_tiles
+                tma.async_copy_global_to_shared(
+                    h_desc, [0, k * BLOCK_K], ready.index(j), a_smem.index(j)
+                )
 
         # the row keys (sample_tokens._row_keys), while the first loads fly
         rows = gl.arange(0, BLOCK_B, layout=row_layout)
@@ -470,6 +498,9 @@ def lm_head_sample(hidden, weight, temperature: float, seeds, step):
     cols = torch.empty(programs, B, dtype=torch.int32, device=hidden.device)
     tokens = torch.empty(B, dtype=torch.int64, device=hidden.device)
     logp = torch.empty(B, dtype=torch.float32, device=hidden.device)
+    # PDL only inside a captured step (see the module docstring: an eager step's chain ends here)
+    early = WEIGHT_BEFORE_WAIT and hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    options = pdl.launch_options() if early else {"PDL": False}
     try:
         _lm_head_sample_kernel[(programs,)](
             TensorDescriptor.from_tensor(hidden, [BLOCK_B, BLOCK_K], _layout([BLOCK_B, BLOCK_K])),
@@ -495,6 +526,7 @@ def lm_head_sample(hidden, weight, temperature: float, seeds, step):
             GREEDY=greedy,
             EVEN_V=V % BLOCK_V == 0,
             num_warps=NUM_WARPS,
+            **options,
         )
     except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)
         _failed = True

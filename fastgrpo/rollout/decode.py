@@ -161,9 +161,10 @@ class WaveBuffers:
             fused_ops=True,
             **folded,
         )
-        # a plain launch (cuBLAS, or the fused LM head + sampler): it ends the step's chain of
-        # programmatic dependent launches, so in an eager step every cache write is done before
-        # the next step starts, which the Gluon attention's loads before its wait rely on
+        # in an eager step a plain launch (cuBLAS, or the fused LM head + sampler): it ends the
+        # step's chain of programmatic dependent launches, so every cache write is done before the
+        # next step starts, which the Gluon attention's loads before its wait rely on; a captured
+        # step gets that order from the end of its graph's replay
         sampled = sample_from_hidden(hidden, model.lm_head_weight, self.params, self.seeds, s.step)
         s.record(*sampled, self.stop_ids, fed=True)
 

@@ -10,6 +10,7 @@ import torch
 from kernel_cases import UncompilableKernel
 
 from fastgrpo.kernels import lm_head_sample as ops
+from fastgrpo.kernels.rms_norm import add_rms_norm
 from fastgrpo.rollout import SamplingParams
 from fastgrpo.rollout.sampling import _gumbel, sample_from_hidden, sample_tokens
 
@@ -106,17 +107,29 @@ def test_a_tie_goes_to_the_lower_column(other, temperature):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_captured_in_a_cuda_graph_follows_the_step_changed_in_place():
+def test_captured_after_the_norm_follows_the_step_and_the_hidden_changed_in_place():
+    """In a captured step the kernel asks for its weight before its PDL wait and for the hidden
+    rows after it: each replay must sample from what the norm before it wrote in that replay."""
     x, w, seeds, step = _inputs(64, 896, 151936, seed=5)
-    ops.lm_head_sample(x, w, 1.0, seeds, step)  # compile outside the capture
+    gain = torch.rand(896, device=x.device).bfloat16() + 0.5
+
+    def norm_then_sample():
+        hidden = add_rms_norm(x, None, gain, 1e-6)[0]  # the decode norm kernel, launched with PDL
+        return ops.lm_head_sample(hidden, w, 1.0, seeds, step)
+
+    norm_then_sample()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tokens, logp = ops.lm_head_sample(x, w, 1.0, seeds, step)
+        tokens, logp = norm_then_sample()
+    seen = set()
     for value in (3, 90, 4):
         step.fill_(value)
+        x.copy_(torch.randn_like(x))
         graph.replay()
-        want = ops.lm_head_sample(x, w, 1.0, seeds, step)
+        want = norm_then_sample()  # eager: a plain launch
         assert torch.equal(tokens, want[0]) and torch.equal(logp, want[1])
+        seen.add(tuple(tokens.tolist()))
+    assert len(seen) == 3  # each replay sampled from its own hidden rows
 
 
 def test_the_fused_path_serves_only_hopper_bf16_decode_batches():
