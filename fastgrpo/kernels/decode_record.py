@@ -164,6 +164,43 @@ def record_step_triton(
     )
 
 
+if triton is not None:
+
+    @triton.jit
+    def _all_finished_kernel(finished_ptr, out_ptr, B, BLOCK: tl.constexpr):
+        running = tl.zeros([BLOCK], dtype=tl.int32)
+        for first in range(0, B, BLOCK):
+            rows = first + tl.arange(0, BLOCK)
+            running += (tl.load(finished_ptr + rows, mask=rows < B, other=1) == 0).to(tl.int32)
+        tl.store(out_ptr, tl.sum(running, 0) == 0)
+
+
+def all_finished_triton(finished: torch.Tensor, out: torch.Tensor) -> None:
+    """`out.fill_(finished.all())` by one Triton launch (one program), for `finished` (B,) bool and
+    `out` a () bool tensor on the GPU or in pinned host memory, which the GPU reaches through
+    unified addressing. No host sync."""
+    if triton is None:
+        raise RuntimeError("the Triton finish check needs `pip install triton`")
+    if finished.dim() != 1 or finished.dtype != torch.bool:
+        raise ValueError(
+            f"finished must be a (B,) bool tensor, got {tuple(finished.shape)} {finished.dtype}"
+        )
+    if out.shape != () or out.dtype != torch.bool:
+        raise ValueError(f"out must be a () bool tensor, got {tuple(out.shape)} {out.dtype}")
+    B = finished.numel()
+    block = min(1024, triton.next_power_of_2(max(B, 1)))
+    _all_finished_kernel[(1,)](finished, out, B, BLOCK=block, num_warps=1)
+
+
+def all_finished_into(finished: torch.Tensor, out: torch.Tensor) -> None:
+    """Write `finished.all()` into `out`: on CUDA by `all_finished_triton`, which may write into
+    pinned host memory directly, so a host look at a wave costs one small launch instead of a
+    reduction kernel and a device-to-host copy (each with its hand-off gap); elsewhere by torch."""
+    if ENABLED and triton is not None and finished.is_cuda:
+        return all_finished_triton(finished, out)
+    out.copy_(finished.all(), non_blocking=True)
+
+
 def record_step(
     tokens, logp, lengths, finished, last_token, step, slot, token, token_logp, stop_ids, pad_id,
     advance_slot,

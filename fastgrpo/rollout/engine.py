@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.kernels.decode_record import all_finished_into
 from fastgrpo.rollout.decode import WaveBuffers
 from fastgrpo.rollout.kv_cache import kv_bytes_per_token
 from fastgrpo.rollout.sampling import SamplingParams
@@ -207,11 +208,12 @@ class FinishLook:
     """The host's look at a wave's finish flags (a device tensor the decode step updates).
 
     Plain: each look waits for the device and reads the flags as they are. Lagged: each look
-    starts a copy of "all rows finished" into pinned host memory without waiting, and answers with
-    the copy the look before started, so the device always has the steps launched since then
+    has the device write "all rows finished" into pinned host memory without waiting, and answers
+    with what the look before had written, so the device always has the steps launched since then
     queued and never drains while the host waits (on an H100, a drained step cost ~85 us more).
     A wave whose rows have all stopped then ends one look later; rows that have finished keep
-    stepping with their outputs masked, so the rollout is the same either way.
+    stepping with their outputs masked, so the rollout is the same either way. On a GPU the write
+    is one small kernel (`decode_record.all_finished_into`), not a reduction and a copy.
     """
 
     def __init__(self, finished: torch.Tensor, *, lagged: bool):
@@ -231,7 +233,7 @@ class FinishLook:
                 self._copied.synchronize()
             seen = bool(self._copy)
         self._looks += 1
-        self._copy.copy_(self.finished.all(), non_blocking=True)
+        all_finished_into(self.finished, self._copy)
         if self._copied is not None:
             self._copied.record()
         return seen

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, NEEDS_TRITON
+from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
 from fastgrpo.kernels import decode_record
 
@@ -75,3 +75,32 @@ def test_many_stop_ids(n_stop):
     token[0], want[3][0] = 5 + n_stop - 1, False  # row 0 samples the last stop id
     got = _record_both(want, token, token_logp, stop_ids, True)
     assert bool(got[3][0])
+
+
+@pytest.mark.parametrize("B", [1, 5, 1500])
+@pytest.mark.parametrize("pattern", ["all", "one-running", "none"])
+def test_all_finished_kernel_is_torch_all(B, pattern):
+    """The host's finish look: the kernel's answer equals finished.all(), written on the device or,
+    on a GPU, straight into pinned host memory (1500 rows: two blocks of the kernel's loop)."""
+    finished = torch.ones(B, dtype=torch.bool)
+    if pattern == "one-running":
+        finished[B * 2 // 3] = False  # in the second block at 1500 rows
+    elif pattern == "none":
+        finished[:] = False
+    finished = finished.to(DEVICE)
+    outs = [torch.tensor(not bool(finished.all().item()), device=DEVICE)]  # the wrong answer first
+    if ON_GPU:
+        outs.append(torch.tensor(not bool(finished.all().item())).pin_memory())
+    for out in outs:
+        decode_record.all_finished_triton(finished, out)
+        if ON_GPU:
+            torch.cuda.synchronize()
+        assert bool(out) == bool(finished.all()) == (pattern == "all")
+
+
+def test_all_finished_launcher_says_what_it_cannot_take():
+    finished = torch.ones(4, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="bool"):
+        decode_record.all_finished_triton(finished.int(), torch.tensor(True, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        decode_record.all_finished_triton(finished, torch.zeros(2, dtype=torch.bool, device=DEVICE))
