@@ -8,7 +8,7 @@ over its prompt's keys, its completion slots 0..slot-1 and the new key. `applies
 serves: bf16 on a Hopper GPU, head dim 64 or 128, at most 16 query heads per kv head, and between
 one program per two multiprocessors and one per multiprocessor (rows x kv heads), the decode batch
 of a GRPO step at 0.5B. With fewer rows the Triton kernel's key splits serve better; with more,
-its programs queue in waves, so their loads cannot start before the wait, and the ring of 3
+its programs queue in waves, so their loads cannot start before the wait, and the ring of its
 stages exposes each block's latency on long completions: at 256 rows x 1024 new tokens (workload
 B) 2.25 ms per step against 2.19-2.23 with the Triton kernel, and at the 7B shape with 64 rows
 (256 programs) 6.73-6.75 against 6.72-6.73 (benchmarks/results/decode_attention_gluon_h100_v1.txt).
@@ -76,10 +76,14 @@ _failed = False
 
 
 def blocks(d: int) -> tuple[int, int]:
-    """(BLOCK_N, STAGES): 128-key blocks, 3 stages at d = 64 (96 KB of shared memory, so the
-    program fits beside a q/k/v GEMM's and its loads start early); 64-key blocks, 3 stages at
-    d = 128 (the same bytes)."""
-    return (128, 3) if d <= 64 else (64, 3)
+    """(BLOCK_N, STAGES): 128-key blocks, 4 stages at d = 64; 64-key blocks, 4 stages at d = 128.
+    Either takes 128 KB of shared memory, more than half of a multiprocessor's 227 KB, so no two
+    programs share one (a wave of at most one program per multiprocessor is where the kernel
+    serves). With 3 stages (96 KB) two could, and A's decode step was 14.0 us slower, 8 of 8
+    rounds (control 1.3), with 6 stages (192 KB) 2 us slower than with 4; 256-key blocks were 38 us
+    slower (benchmarks/results/decode_attention_stages_h100_v1.txt). A's blocks never pass 3, so
+    the fourth stage is only room that keeps a second program off the multiprocessor."""
+    return (128, 4) if d <= 64 else (64, 4)
 
 
 if gluon is not None:
@@ -160,6 +164,28 @@ if gluon is not None:
         if bias_ptr is not None:
             x += gl.load(bias_ptr + cols, mask=mask, other=0.0).to(gl.float32)
         return x.to(dtype)
+
+    @gluon.jit
+    def _attend(q_dot, k_tile, v_tile, valid, m_i, l_i, acc, scale2, N: gl.constexpr,
+                mma: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr):  # fmt: skip
+        """Fold N cached keys and values (shared-memory tiles [N, D], the first `valid` >= 1 of
+        them keys to read) into the online softmax (m_i, l_i) and the output acc."""
+        k_dot = k_tile.permute((1, 0)).load(b_layout)
+        s = mma_v2(q_dot, k_dot, gl.zeros([q_dot.shape[0], N], gl.float32, layout=mma))
+        keys = gl.arange(0, N, layout=gl.SliceLayout(0, mma))
+        s = gl.where(gl.expand_dims(keys < valid, 0), s * scale2, float("-inf"))
+        # valid >= 1, so m_new is finite
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p_dot = gl.convert_layout(p.to(k_tile.dtype), a_layout)
+        v_dot = v_tile.load(b_layout)
+        if valid < N:  # zero the values past the last key: 0 * a stale inf is nan
+            value_rows = gl.arange(0, N, layout=gl.SliceLayout(1, b_layout))
+            v_dot = gl.where(gl.expand_dims(value_rows < valid, 1), v_dot, 0.0)
+        acc = mma_v2(p_dot, v_dot, acc * gl.expand_dims(alpha, 1))
+        return m_new, l_i, acc
 
     @gluon.jit
     def _attention_kernel(
@@ -261,26 +287,16 @@ if gluon is not None:
         m_i = gl.full([_ROWS], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([_ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([_ROWS, D], gl.float32, layout=mma)
-        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        value_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, b_layout))
         for i in range(0, total):
             stage = i % STAGES
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-            k_dot = k_smem.index(stage).permute((1, 0)).load(b_layout)
-            s = mma_v2(q_dot, k_dot, gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=mma))
             valid = _valid_keys(i, n_prompt, n_comp, n_prompt_blocks, BLOCK_N)
-            s = gl.where(gl.expand_dims(keys < valid, 0), s * scale2, float("-inf"))
-            # every block holds a valid key, so m_new is finite
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p_dot = gl.convert_layout(p.to(pk_desc.dtype), a_layout)
-            v_dot = v_smem.index(stage).load(b_layout)
-            if valid < BLOCK_N:  # zero the values past the last key: 0 * a stale inf is nan
-                v_dot = gl.where(gl.expand_dims(value_rows < valid, 1), v_dot, 0.0)
-            acc = mma_v2(p_dot, v_dot, acc * gl.expand_dims(alpha, 1))
+            k_tile = k_smem.index(stage)
+            v_tile = v_smem.index(stage)
+            m_i, l_i, acc = _attend(
+                q_dot, k_tile, v_tile, valid, m_i, l_i, acc, scale2, BLOCK_N,
+                mma, a_layout, b_layout,
+            )  # fmt: skip
             issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
 
         # the new key: rotated, stored at the slot, folded in from registers

@@ -24,10 +24,13 @@ ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
 
 
-def test_blocks_keep_the_shared_memory_of_a_program_at_96_kb():
+def test_a_program_takes_more_than_half_of_a_multiprocessors_shared_memory():
+    """Keys and values of every stage: over half of the H100's 227 KB per block (so no two
+    programs share a multiprocessor), and within it."""
     for d in (64, 128):
         block_n, stages = gluon_attention.blocks(d)
-        assert stages * 2 * block_n * d * 2 == 96 * 1024
+        ring = stages * 2 * block_n * d * 2
+        assert 227 * 1024 // 2 < ring <= 227 * 1024 - 1024
 
 
 def test_cpu_tensors_are_not_taken():
