@@ -20,11 +20,11 @@ block in boxes of PART_ROWS keys, those past its keys placed beyond the tensor's
 fills zeros without reading memory; the values past its last key are zeroed in registers, since
 the slots there may hold anything an earlier wave left, inf or nan included). The cache
 contents were written before this graph replay started (earlier steps' kernels, and the prefill),
-so the ring's first loads are issued before the PDL wait, while the previous kernel (q/k/v's
-GEMM) still runs; only q, the new k and v, and cos/sin wait. The rep query heads are the rows of
-a [16, D] tile for mma_v2 (m16n8k16; wgmma's 64 rows would be 7/64 full at the 0.5B shape); an
-online softmax in base 2 over the blocks, then the new key, rotated and stored at the slot, folded
-in from registers as the Triton kernel folds it.
+so the first block is asked for before the PDL wait; after it, this step's q, k and v and cos/sin
+are loaded first and the rest of the ring's blocks asked for behind them (`EARLY_BLOCKS`). The
+rep query heads are the rows of a [16, D] tile for mma_v2 (m16n8k16; wgmma's 64 rows would be
+7/64 full at the 0.5B shape); an online softmax in base 2 over the blocks, then the new key,
+rotated and stored at the slot, folded in from registers as the Triton kernel folds it.
 
 Why: the Triton kernel computes every key's address (a pointer per element, chosen between the
 two caches) and loads only after the wait. On an H100 at the 0.5B shape and 64 rows, a spike of
@@ -72,6 +72,15 @@ QUERY_ROWS = 16
 """The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
 PART_ROWS = 32
 """Rows per box of a last, partial block: only its keys in use, rounded up to 32, are read."""
+EARLY_BLOCKS = 1
+"""Cache blocks asked for before the PDL wait; the rest of the ring's first fill is asked for
+after this step's q, k and v (from L2). Timestamps in the kernel (clock64, A's decode step)
+showed each program starting about when q/k/v's GEMM had ended, so its wait returned at once,
+and this step's q arriving 2-4 us after it, behind every block's bulk copies, then the blocks
+folded one after another. With one block early and q, k and v asked for first, each fold
+starts when its block lands: -30.3 us per step of A, 8 of 8 rounds (control -1.4); all blocks
+early but k and v with q -11.2; no block early +9.3 and -3.6 with k and v
+(benchmarks/results/decode_attention_stages_h100_v1.txt, sections 11-12)."""
 _failed = False
 
 
@@ -229,6 +238,7 @@ if gluon is not None:
         STAGES: gl.constexpr,
         PDL: gl.constexpr,
         PARTS: gl.constexpr,  # 0: q, k, v as given; S: each the sum of S fp32 parts (+ bias)
+        EARLY: gl.constexpr,  # cache blocks asked for before the PDL wait (<= STAGES)
     ):
         pid = gl.program_id(0)
         b = pid // NKV
@@ -253,7 +263,7 @@ if gluon is not None:
         counts = (n_prompt, n_comp, n_prompt_blocks)
         rows0 = (prompt * Lp, b * Tc, kvh * D, n_prompts * Lp, n_rows * Tc)
         issued = total * 0
-        for _ in gl.static_range(STAGES):
+        for _ in gl.static_range(EARLY):
             issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
         _pdl_wait(PDL)
 
@@ -274,6 +284,20 @@ if gluon is not None:
         )
         cos_row = gl.load(cos_ptr + b.to(gl.int64) * stride_cos + offs_d).to(gl.float32)
         sin_row = gl.load(sin_ptr + b.to(gl.int64) * stride_sin + offs_d).to(gl.float32)
+        k_row = k_ptr + b.to(gl.int64) * stride_k
+        v_at_row = v_ptr + b.to(gl.int64) * stride_v
+        k_cols = kvh * D + offs_d
+        k_swapped_cols = kvh * D + swapped
+        every = offs_d < D
+        k_new = _projected(k_row + k_cols, k_cols, every, part_stride, k_bias, PARTS, dtype)
+        k_swapped = _projected(
+            k_row + k_swapped_cols, k_swapped_cols, every, part_stride, k_bias, PARTS, dtype
+        )
+        v_new = _projected(v_at_row + k_cols, k_cols, every, part_stride, v_bias, PARTS, dtype)
+        # the rest of the ring's first fill, asked for after this step's q, k and v: loads issued
+        # before them would be queued ahead of them (see EARLY_BLOCKS)
+        for _ in gl.static_range(STAGES - EARLY):
+            issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
         sin_signed = gl.where(offs_d < D // 2, -sin_row, sin_row)
         q = _rotate(q, q_swapped, gl.expand_dims(cos_row, 0), gl.expand_dims(sin_signed, 0))
 
@@ -300,17 +324,7 @@ if gluon is not None:
             issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
 
         # the new key: rotated, stored at the slot, folded in from registers
-        k_row = k_ptr + b.to(gl.int64) * stride_k
-        v_at_row = v_ptr + b.to(gl.int64) * stride_v
-        k_cols = kvh * D + offs_d
-        k_swapped_cols = kvh * D + swapped
-        every = offs_d < D
-        k_new = _projected(k_row + k_cols, k_cols, every, part_stride, k_bias, PARTS, dtype)
-        k_swapped = _projected(
-            k_row + k_swapped_cols, k_swapped_cols, every, part_stride, k_bias, PARTS, dtype
-        )
         k_new = _rotate(k_new, k_swapped, cos_row, sin_signed)  # (D,)
-        v_new = _projected(v_at_row + k_cols, k_cols, every, part_stride, v_bias, PARTS, dtype)
         slot_at = ((b.to(gl.int64) * Tc + slot) * NKV + kvh) * D + offs_d
         gl.store(ck_ptr + slot_at, k_new)
         gl.store(cv_ptr + slot_at, v_new)
@@ -431,6 +445,7 @@ def _launch(q, k, v, biases, parts, part_stride, cos, sin, prompt_k, prompt_v, p
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
             B // P, Lp, Tc, P, B, LOG2E / math.sqrt(d),
             NKV=nkv, REP=nh // nkv, D=d, BLOCK_N=block_n, STAGES=stages, PARTS=parts,
+            EARLY=min(EARLY_BLOCKS, stages),
             num_warps=4, enable_fp_fusion=False, **pdl.launch_options(),
         )  # fmt: skip
     except Exception as error:  # a Gluon API this kernel does not match (it was written for 3.6)
