@@ -8,8 +8,11 @@ forced to its full length (the only stop id is one the model cannot sample):
   D. a whole GRPO rollout incl. prefill: 8 prompts x 8 samples x 256 tokens, 0.5B shape: seconds.
 Also: the engine's sampled-token log-probs against the trainer's for the same tokens (bf16).
 ms per decode step = (time for N new tokens - time for 1 new token) / (N - 1), so the prefill is
-left out. The floor is the bytes one step must read (weights + the average KV cache) over the
-copy bandwidth measured in the same run. Prints a table, then one JSON line.
+left out; for the engine also the mean time between CUDA events recorded before each decode step
+of a whole rollout (`ms_per_step_in_rollout`: every step's GPU time and any idle gap after it,
+without the setup of the two timed rollouts, which moves the difference by up to ~5% from run to
+run). The floor is the bytes one step must read (weights + the average KV cache) over the copy
+bandwidth measured in the same run. Prints a table, then one JSON line.
 Run on a CUDA GPU:  python benchmarks/bench_rollout.py [--quick] [--no-hf]
 """
 
@@ -28,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.models.transformer import ModelConfig, Transformer  # noqa: E402
+from fastgrpo.rollout import decode  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 from fastgrpo.rollout.kv_cache import kv_bytes_per_token  # noqa: E402
 from fastgrpo.rollout.sampling import SamplingParams  # noqa: E402
@@ -154,6 +158,56 @@ def timed(fn, reps=3):
     return sorted(times)[len(times) // 2]
 
 
+class StepEvents:
+    """While active, a CUDA event (and the host's clock) before every `WaveBuffers.step`."""
+
+    def __init__(self):
+        self.marks: list[tuple[float, torch.cuda.Event]] = []
+        self._step = decode.WaveBuffers.step
+
+    def mark(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((time.perf_counter(), event))
+
+    def __enter__(self):
+        real = self._step
+
+        def step(wave):
+            self.mark()
+            real(wave)
+
+        decode.WaveBuffers.step = step
+        return self
+
+    def __exit__(self, *exc):
+        decode.WaveBuffers.step = self._step
+
+    def step_ms(self) -> list[float]:
+        """ms from each step's event to the next step's (the last step, whose interval would
+        also hold the rollout's result copies, left out)."""
+        marks = self.marks
+        return [marks[i][1].elapsed_time(marks[i + 1][1]) for i in range(len(marks) - 1)]
+
+
+def ours_step_ms_in_rollout(model, prompts, new_tokens, rollouts=3) -> float:
+    """Mean ms between consecutive decode steps' events over whole rollouts (after a warm-up)."""
+    never = model.config.vocab_size
+    engine = RolloutEngine(model, stop_ids=[never], pad_id=0)
+    run = lambda: engine.generate(  # noqa: E731
+        prompts, num_samples=1, max_new_tokens=new_tokens, params=PARAMS, seed=1
+    )
+    run()
+    times = []
+    for _ in range(rollouts):
+        torch.cuda.synchronize()
+        with StepEvents() as steps:
+            run()
+        torch.cuda.synchronize()
+        times += steps.step_ms()
+    return sum(times) / len(times)
+
+
 def ours_seconds(model, prompts, samples, new_tokens, graphs=True):
     never = model.config.vocab_size  # no sampled id equals it: lengths are forced
     engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=graphs)
@@ -218,18 +272,21 @@ def decode_rows(shape, rows, prompt, new_tokens, bandwidth, name, *, peers=False
         ]
     for method, fn in methods:
         ms = step_ms(fn, new_tokens)
-        out.append(
-            {
-                "workload": name,
-                "shape": shape,
-                "method": method,
-                "ms_per_step": ms,
-                "tokens_per_s": rows / ms * 1e3,
-                "floor_ms": floor,
-                "x_floor": ms / floor,
-            }
-        )
-        print(f"{name:<2} {shape:<5} {method:<34} {ms:8.3f} ms/step  {ms / floor:5.2f}x floor")
+        row = {
+            "workload": name,
+            "shape": shape,
+            "method": method,
+            "ms_per_step": ms,
+            "tokens_per_s": rows / ms * 1e3,
+            "floor_ms": floor,
+            "x_floor": ms / floor,
+        }
+        line = f"{name:<2} {shape:<5} {method:<34} {ms:8.3f} ms/step  {ms / floor:5.2f}x floor"
+        if method == "fastgrpo engine":
+            row["ms_per_step_in_rollout"] = ours_step_ms_in_rollout(model, prompts, new_tokens)
+            line += f"  ({row['ms_per_step_in_rollout']:.3f} ms step to step in rollouts)"
+        out.append(row)
+        print(line)
     return out
 
 

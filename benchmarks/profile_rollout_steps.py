@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,35 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ab_decode_step import NEW_TOKENS, forced_length_engine, replayed_step_ms  # noqa: E402
-from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
-
-from fastgrpo.rollout import decode  # noqa: E402
-
-
-class StepEvents:
-    """While active, a CUDA event (and the host's clock) before every `WaveBuffers.step`."""
-
-    def __init__(self):
-        self.marks: list[tuple[float, torch.cuda.Event]] = []
-        self._step = decode.WaveBuffers.step
-
-    def mark(self) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.marks.append((time.perf_counter(), event))
-
-    def __enter__(self):
-        real = self._step
-
-        def step(wave):
-            self.mark()
-            real(wave)
-
-        decode.WaveBuffers.step = step
-        return self
-
-    def __exit__(self, *exc):
-        decode.WaveBuffers.step = self._step
+from bench_rollout import (  # noqa: E402
+    PARAMS,
+    StepEvents,
+    native_model,
+    print_result_line,
+    prompts_of,
+    timed,
+)
 
 
 def main():
