@@ -80,7 +80,7 @@ and this step's q arriving 2-4 us after it, behind every block's bulk copies, th
 folded one after another. With one block early and q, k and v asked for first, each fold
 starts when its block lands: -30.3 us per step of A, 8 of 8 rounds (control -1.4); all blocks
 early but k and v with q -11.2; no block early +9.3 and -3.6 with k and v
-(benchmarks/results/decode_attention_stages_h100_v1.txt, sections 11-12)."""
+(benchmarks/results/decode_attention_stages_h100_v1.txt, sections 11-13)."""
 _failed = False
 
 
