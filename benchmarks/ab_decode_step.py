@@ -37,6 +37,10 @@ Variants (`--variants`, the first is the baseline):
                           before f5463af
   gluon-attention-off     the decode attention by the Triton kernel instead of the Gluon one
                           (Hopper)
+  attention-3-stages      the Gluon attention with 3 ring stages (96 KB: two programs may share a
+                          multiprocessor), as before session 18
+  attention-all-early     the Gluon attention asking for every block of its first fill before the
+                          PDL wait, ahead of this step's q, k and v, as before session 18
   attention-whole-blocks  the Gluon attention reading a last, partial block of keys whole, not
                           in 32-key boxes (d = 64 only)
   pdl-off                 programmatic dependent launch off: a known loss (~57 us per step in
@@ -111,6 +115,10 @@ VARIANTS = {
     "lm-head-4-warps": {(lm_head_sample, "NUM_WARPS"): 4},
     "norm-4-warps": {(rms_norm, "DECODE_COLUMNS_PER_WARP"): 256},
     "gluon-attention-off": {(decode_attention_gluon, "ENABLED"): False},
+    "attention-3-stages": {
+        (decode_attention_gluon, "blocks"): lambda d: (128, 3) if d <= 64 else (64, 3)
+    },
+    "attention-all-early": {(decode_attention_gluon, "EARLY_BLOCKS"): 4},
     "attention-whole-blocks": {(decode_attention_gluon, "PART_ROWS"): 128},
     "pdl-off": {(pdl, "ENABLED"): False},
 }
