@@ -203,23 +203,26 @@ if gluon is not None:
         BLOCK_V: gl.constexpr,
         BLOCK_K: gl.constexpr,
         STAGES: gl.constexpr,
-        WITH_HIDDEN: gl.constexpr,
+        HIDDEN: gl.constexpr,
+        WEIGHT: gl.constexpr,
     ):
         """Bulk loads of the program's global k step `step` (its tile i = step // k_tiles): the
-        tile's weight rows and, WITH_HIDDEN, the hidden rows' k slice (from L2 after the first
-        tile). The stage's barrier expects both, so the first fill asks for the weight before the
-        PDL wait and for the hidden after it."""
+        hidden rows' k slice (HIDDEN; from L2 after the first tile) and the tile's weight rows
+        (WEIGHT). The stage's barrier expects both, set with the weight, so the first fill asks
+        for the weight before the PDL wait and for the hidden after it."""
         i = step // k_tiles
         ki = step - i * k_tiles
         tile = pid + i * n_progs
         s = step % STAGES
         bar = ready.index(s)
-        mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        if WITH_HIDDEN:
+        if WEIGHT:
+            mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        if HIDDEN:
             tma.async_copy_global_to_shared(h_desc, [0, ki * BLOCK_K], bar, a_smem.index(s))
-        tma.async_copy_global_to_shared(
-            w_desc, [tile * BLOCK_V, ki * BLOCK_K], bar, b_smem.index(s)
-        )
+        if WEIGHT:
+            tma.async_copy_global_to_shared(
+                w_desc, [tile * BLOCK_V, ki * BLOCK_K], bar, b_smem.index(s)
+            )
 
     @gluon.jit
     def _refill(
@@ -244,7 +247,7 @@ if gluon is not None:
             if issued < g + STAGES:
                 _issue_load(
                     h_desc, w_desc, a_smem, b_smem, ready, issued, pid, n_progs, k_tiles,
-                    BLOCK_V, BLOCK_K, STAGES, True,
+                    BLOCK_V, BLOCK_K, STAGES, True, True,
                 )  # fmt: skip
                 issued += 1
         return issued
@@ -308,15 +311,12 @@ if gluon is not None:
         # the stages' hidden slices
         for j in gl.static_range(STAGES):
             if j < total:
-                _issue_load(*ring, j, *tiling, False)
+                _issue_load(*ring, j, *tiling, False, True)
         issued = gl.minimum(total, STAGES)  # run-time i32, loop-carried
         _pdl_wait(PDL)
         for j in gl.static_range(STAGES):
-            if j < total:  # load j: tile j // k_tiles, k step j % k_tiles
-                k = j - (j // k_tiles) * k_tiles
-                tma.async_copy_global_to_shared(
-                    h_desc, [0, k * BLOCK_K], ready.index(j), a_smem.index(j)
-                )
+            if j < total:
+                _issue_load(*ring, j, *tiling, True, False)
 
         # the row keys (sample_tokens._row_keys), while the first loads fly
         rows = gl.arange(0, BLOCK_B, layout=row_layout)
