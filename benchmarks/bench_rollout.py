@@ -190,13 +190,18 @@ class StepEvents:
         return [marks[i][1].elapsed_time(marks[i + 1][1]) for i in range(len(marks) - 1)]
 
 
+def ours_rollout(model, prompts, samples, new_tokens, graphs=True):
+    """A call that runs one rollout of a fresh engine whose completions all run to full length."""
+    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
+    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=graphs)
+    return lambda: engine.generate(
+        prompts, num_samples=samples, max_new_tokens=new_tokens, params=PARAMS, seed=1
+    )
+
+
 def ours_step_ms_in_rollout(model, prompts, new_tokens, rollouts=3) -> float:
     """Mean ms between consecutive decode steps' events over whole rollouts (after a warm-up)."""
-    never = model.config.vocab_size
-    engine = RolloutEngine(model, stop_ids=[never], pad_id=0)
-    run = lambda: engine.generate(  # noqa: E731
-        prompts, num_samples=1, max_new_tokens=new_tokens, params=PARAMS, seed=1
-    )
+    run = ours_rollout(model, prompts, 1, new_tokens)
     run()
     times = []
     for _ in range(rollouts):
@@ -209,12 +214,7 @@ def ours_step_ms_in_rollout(model, prompts, new_tokens, rollouts=3) -> float:
 
 
 def ours_seconds(model, prompts, samples, new_tokens, graphs=True):
-    never = model.config.vocab_size  # no sampled id equals it: lengths are forced
-    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=graphs)
-    run = lambda: engine.generate(  # noqa: E731
-        prompts, num_samples=samples, max_new_tokens=new_tokens, params=PARAMS, seed=1
-    )
-    return timed(run)
+    return timed(ours_rollout(model, prompts, samples, new_tokens, graphs))
 
 
 def hf_seconds(model, prompts, samples, new_tokens, cache):
