@@ -52,6 +52,18 @@ PADDED_BATCH_LIMIT = 2
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
+def flash_serves(dtype: torch.dtype, head_dim: int, window: int | None = None) -> bool:
+    """Whether CUDA tensors of this dtype and head size go to the flash kernels (one call over
+    every sequence, bounds read on the device: no host sync, so a CUDA graph can capture it)."""
+    return (
+        VARLEN is not None
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0  # what the flash kernels take
+        and head_dim <= 256
+        and (window is None or VARLEN[1])
+    )
+
+
 def causal_attention_ref(
     q, k, v, cu_seqlens, window: int | None = None, cu_seqlens_k=None
 ) -> torch.Tensor:
@@ -176,16 +188,9 @@ class PackedCausalAttention:
         return self._sdpa_loop(q, k, v, window)
 
     def _varlen_applies(self, q, window) -> bool:
-        if VARLEN is None or self.use_varlen is False:
+        if self.use_varlen is False:
             return False
-        takes_window, head_dim = VARLEN[1], q.shape[-1]
-        return (
-            q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0  # what the flash kernels take
-            and head_dim <= 256
-            and (window is None or takes_window)
-        )
+        return q.is_cuda and flash_serves(q.dtype, q.shape[-1], window)
 
     def _varlen(self, q, k, v, window) -> torch.Tensor:
         needs_grad = torch.is_grad_enabled() and (

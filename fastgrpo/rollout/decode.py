@@ -26,6 +26,80 @@ from fastgrpo.transfer import to_device
 
 # FASTGRPO_FOLD_POSITIONS=0 forms a decode step's positions by a torch add (to compare)
 FOLD_POSITIONS = os.environ.get("FASTGRPO_FOLD_POSITIONS", "1") != "0"
+PREFILL_GRAPHS_KEPT = 2
+"""Captured prefills kept per wave shape (one per row bucket, most recently used kept)."""
+
+
+def prefill_rows(tokens: int) -> int:
+    """The rows a graphed prefill of `tokens` packed prompt tokens runs: rounded up to a multiple
+    of 1/8 of the largest power of two <= tokens (at most 12.5% padding), and of 64, so prompts of
+    similar total length replay one graph."""
+    granule = max(64, 1 << max(0, tokens.bit_length() - 4))
+    return -(-tokens // granule) * granule
+
+
+def prefill_graph_bytes(config, rows: int, num_prompts: int, itemsize: int) -> int:
+    """A rough bound on the memory a captured prefill of `rows` tokens keeps in its pool: one
+    layer's activations live at once (gate/up's output and the SiLU product, q/k/v, a few
+    hidden-sized tensors) and the prompts' logits, in fp32, sampled."""
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    per_row = itemsize * (3 * config.intermediate_size + qkv + 6 * config.hidden_size)
+    return rows * per_row + 3 * 4 * num_prompts * config.vocab_size
+
+
+@dataclass
+class PrefillInputs:
+    """Packed prompts as the prefill takes them, on the host: `rows` tokens, the prompts' tokens
+    first, then padding (token 0 at position 0, each with a slot in the cache's spare row)."""
+
+    tokens: torch.Tensor  # (rows,) int64
+    positions: torch.Tensor  # (rows,) int64: each token's position in its prompt
+    slots: torch.Tensor  # (rows,) int64: each token's flat slot prompt * Lp + position
+    cu: torch.Tensor  # (P + 1,) int32: the prompts' bounds (the padding is in none of them)
+    lens: torch.Tensor  # (P,) int64
+
+    @classmethod
+    def pack(cls, prompts: list[list[int]], capacity: int, rows: int | None = None):
+        """`rows` None: no padding. Else at least the prompts' total token count."""
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)  # (P,)
+        cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)  # (P + 1,)
+        total = int(cu[-1])
+        rows = total if rows is None else rows
+        if rows < total:
+            raise ValueError(f"{rows} prefill rows cannot hold {total} prompt tokens")
+        tokens = torch.zeros(rows, dtype=torch.int64)
+        tokens[:total] = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+        positions = torch.zeros(rows, dtype=torch.int64)
+        positions[:total] = packed_positions(cu)
+        # numpy's repeat: torch's CPU repeat_interleave took ~2 ms a call on the H100 machine
+        prompt = torch.from_numpy(np.repeat(np.arange(len(prompts)), lens.numpy()))  # (total,)
+        slots = torch.empty(rows, dtype=torch.int64)
+        slots[:total] = prompt * capacity + positions[:total]
+        spare = len(prompts) * capacity  # the spare row: distinct slots while the padding fits
+        slots[total:] = spare + torch.arange(rows - total) % capacity
+        return cls(tokens, positions, slots, cu, lens)
+
+
+class PrefillGraph:
+    """A prefill captured for `rows` tokens of `num_prompts` prompts: its inputs live in one
+    device tensor that each replay's host inputs are copied into."""
+
+    def __init__(self, rows: int, num_prompts: int, device):
+        self.rows = rows
+        self.inputs = torch.empty(3 * rows + num_prompts + 1, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def load(self, inputs: PrefillInputs) -> None:
+        """Copy the host inputs in (one copy from pinned memory, queued on the stream)."""
+        host = torch.cat([inputs.tokens, inputs.positions, inputs.slots, inputs.cu.long()])
+        self.inputs.copy_(host.pin_memory(), non_blocking=True)
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """(tokens, positions, slots, cu as int64) in the device tensor."""
+        rows = self.rows
+        return tuple(self.inputs[i * rows : (i + 1) * rows] for i in range(3)) + (
+            self.inputs[3 * rows :],
+        )
 
 
 @dataclass
@@ -107,37 +181,81 @@ class WaveBuffers:
         self.use_graph = cuda_graph and self.device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_inputs: tuple | None = None
+        self.prefill_graphs: dict[int, PrefillGraph] = {}  # by row count
+        self.prefill_pool = None
 
-    def start(self, prompts: list[list[int]], seeds: torch.Tensor) -> None:
-        """Prefill the prompts into the cache and sample every row's first token."""
-        model, device = self.model, self.device
-        if self.graph is not None and self.graph_inputs != self._inputs():
+    def start(self, prompts: list[list[int]], seeds: torch.Tensor, graph_prefill=False) -> None:
+        """Prefill the prompts into the cache and sample every row's first token. With
+        `graph_prefill` (and graphs on) the prefill runs `prefill_rows` rows as a CUDA graph,
+        captured the first time a row count comes and replayed after: a prefill run eagerly is
+        mostly host time at small batches (~0.7 ms of Python per layer on the H100 machine)."""
+        captured = self.graph is not None or self.prefill_graphs
+        if captured and self.graph_inputs != self._inputs():
             self.graph = None  # a parameter or the RoPE table moved: capture again
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)  # (P,)
-        cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)  # (P + 1,)
-        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)  # (T,)
-        positions = packed_positions(cu)  # (T,) position of each token within its prompt
-        # numpy's repeat: torch's CPU repeat_interleave took ~2 ms a call on the H100 machine
-        prompt = torch.from_numpy(np.repeat(np.arange(len(prompts)), lens.numpy()))  # (T,)
-        slots = prompt * self.cache.prompt_k[0].shape[1] + positions  # (T,) in the prompt cache
-        self.cache.prompt_lens.copy_(lens)
-        self.base_positions.copy_(torch.from_numpy(np.repeat(lens.numpy(), self.group)))
+            self.prefill_graphs.clear()
+        capacity = self.cache.prompt_k[0].shape[1]
+        graphed = graph_prefill and self.use_graph
+        total = sum(len(p) for p in prompts)
+        inputs = PrefillInputs.pack(prompts, capacity, prefill_rows(total) if graphed else None)
+        self.cache.prompt_lens.copy_(inputs.lens)
+        self.base_positions.copy_(torch.from_numpy(np.repeat(inputs.lens.numpy(), self.group)))
         self.seeds.copy_(seeds)
         self.state.reset()
-        cu = to_device(cu, device)
-        packed = model.packed_attention(cu, int(lens.max()))
-        attend = PrefillAttention(self.cache, to_device(slots, device), packed)
+        if not graphed:
+            cu = to_device(inputs.cu, self.device)
+            tokens, positions, slots = (
+                to_device(t, self.device) for t in (inputs.tokens, inputs.positions, inputs.slots)
+            )
+            return self._prefill(tokens, positions, slots, cu, int(inputs.lens.max()))
+        rows = len(inputs.tokens)
+        prefill = self.prefill_graphs.pop(rows, None)
+        if prefill is None:
+            prefill = self._capture_prefill(rows, inputs)
+        else:
+            prefill.load(inputs)
+            prefill.graph.replay()
+        self.prefill_graphs[rows] = prefill  # most recently used last
+        while len(self.prefill_graphs) > PREFILL_GRAPHS_KEPT:
+            self.prefill_graphs.pop(next(iter(self.prefill_graphs)))
+
+    def _prefill(self, tokens, positions, slots, cu, max_len: int) -> None:
+        """The prompts' forward (keys and values into the cache) and every row's first sample.
+        Padding rows past cu[-1] belong to no prompt: their keys go to the spare row, their
+        outputs to no one."""
+        model = self.model
+        attend = PrefillAttention(self.cache, slots, model.packed_attention(cu, max_len))
         hidden = model(
-            to_device(flat, device),
-            to_device(positions, device),
-            attend,
-            position_bound=self.position_bound,
-            fused_ops=True,
-        )  # (T, H)
+            tokens, positions, attend, position_bound=self.position_bound, fused_ops=True
+        )  # (rows, H)
         logits = model.logits(hidden[(cu[1:] - 1).long()])  # (P, V)
-        logits = logits.repeat_interleave(self.group, 0)  # (B, V)
+        if self.group > 1:  # each prompt's row for its G samples (no host sync, unlike
+            logits = logits[:, None].expand(-1, self.group, -1).flatten(0, 1)  # repeat_interleave)
         s = self.state
         s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=False)
+
+    def _graph_prefill(self, prefill: PrefillGraph) -> None:
+        tokens, positions, slots, cu = prefill.views()
+        # max_len: the prompt capacity, a bound on every prompt that fits this wave
+        self._prefill(tokens, positions, slots, cu.to(torch.int32), self.cache.prompt_k[0].shape[1])
+
+    def _capture_prefill(self, rows: int, inputs: PrefillInputs) -> PrefillGraph:
+        """Run this rollout's prefill eagerly on a new graph's inputs (warm-up), then capture it
+        into the wave's prefill memory pool (shared by its prefill graphs: one runs at a time and
+        each writes only the cache and the decode state, which live outside the pool)."""
+        prefill = PrefillGraph(rows, len(inputs.lens), self.device)
+        prefill.load(inputs)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._graph_prefill(prefill)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.prefill_pool is None:
+            self.prefill_pool = torch.cuda.graph_pool_handle()
+        prefill.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(prefill.graph, pool=self.prefill_pool):
+            self._graph_prefill(prefill)  # recorded, not run: later rollouts replay it
+        self.graph_inputs = self._inputs()  # as the decode graph's (`start` drops both)
+        return prefill
 
     def step(self) -> None:
         """One decode step: replayed from the graph on a GPU (captured on first use)."""
@@ -169,8 +287,9 @@ class WaveBuffers:
         s.record(*sampled, self.stop_ids, fed=True)
 
     def _inputs(self) -> tuple:
-        """Addresses the graph reads beyond its own buffers: parameters and the RoPE table. Checked
-        once per rollout in `start`, not per step: nothing moves them during a rollout."""
+        """Addresses the graphs read beyond their own buffers: parameters and the RoPE table (which
+        another engine's longer rollout may grow into a new tensor). Checked once per rollout in
+        `start`, not per step: nothing moves them during a rollout."""
         rotary = self.model.rotary
         return (*(p.data_ptr() for p in self.model.parameters()), rotary.cos.data_ptr())
 

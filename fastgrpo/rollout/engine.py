@@ -3,7 +3,9 @@
 A rollout, for P prompts and G samples each (rows b = p * G + g):
   1. prefill: the P prompts, packed (no padding), run once; their keys and values go into the
      prompt part of the KV cache, shared by the G samples; the last prompt token's logits give
-     every sample's first token;
+     every sample's first token. On a GPU the prefill is a CUDA graph too, for the packed token
+     count rounded up (`decode.prefill_rows`, padding rows computed and dropped): run eagerly, a
+     small batch's prefill is mostly the host's launches (`_graph_prefill` says where it applies);
   2. decode: one token per row per step; each step writes one completion slot of the cache,
      samples on the device (counter-based noise: a sample's tokens depend only on its seed) and
      updates lengths and finish flags on the device. The host looks at the finish flags only every
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.kernels.decode_record import all_finished_into
-from fastgrpo.rollout.decode import WaveBuffers
+from fastgrpo.models.attention import flash_serves
+from fastgrpo.rollout.decode import WaveBuffers, prefill_graph_bytes, prefill_rows
 from fastgrpo.rollout.kv_cache import kv_bytes_per_token
 from fastgrpo.rollout.sampling import SamplingParams
 
@@ -33,6 +36,9 @@ log = logging.getLogger("fastgrpo.rollout")
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
 KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
+PREFILL_GRAPH_SHARE = 16
+"""A prefill is captured as a graph only where its pool's estimate is at most 1 / 16 of the memory
+budget: the pool stays allocated between rollouts, as the KV cache does."""
 
 
 @dataclass
@@ -60,6 +66,7 @@ class RolloutEngine:
         memory_bytes: int | None = None,
         check_every: int = 8,
         cuda_graphs: bool = True,
+        prefill_graphs: bool = True,
     ):
         if not stop_ids:
             raise ValueError("stop_ids is empty: give at least one token id that ends a completion")
@@ -75,6 +82,7 @@ class RolloutEngine:
             )
         self.check_every = check_every
         self.cuda_graphs = cuda_graphs
+        self.prefill_graphs = prefill_graphs
         # where the device runs ahead of the host, the host's looks at the finish flags lag by one
         self.lagged_looks = self.device.type == "cuda"
         self._kept: dict[tuple, WaveBuffers] = {}
@@ -173,13 +181,26 @@ class RolloutEngine:
 
     def _wave(self, prompts, group, max_new_tokens, params, seeds) -> Generation:
         wave = self._buffers(len(prompts), group, max(map(len, prompts)), max_new_tokens, params)
-        wave.start(prompts, seeds)
+        wave.start(prompts, seeds, graph_prefill=self._graph_prefill(prompts))
         look = FinishLook(wave.state.finished, lagged=self.lagged_looks)
         for t in range(1, max_new_tokens):
             wave.step()
             if t % self.check_every == 0 and look.all_finished():
                 break
         return Generation(*wave.result())
+
+    def _graph_prefill(self, prompts) -> bool:
+        """Whether this wave's prefill runs as a CUDA graph: graphs on, on a GPU, attention by
+        the flash kernels (capturable), and the graph's memory small beside the budget."""
+        cfg = self.model.config
+        if not (self.cuda_graphs and self.prefill_graphs and self.device.type == "cuda"):
+            return False
+        if not flash_serves(self.dtype, cfg.head_dim) or any(cfg.layer_windows):
+            return False
+        rows = prefill_rows(sum(map(len, prompts)))
+        itemsize = self.model.lm_head_weight.element_size()
+        need = prefill_graph_bytes(cfg, rows, len(prompts), itemsize)
+        return need * PREFILL_GRAPH_SHARE <= self._budget()
 
     def _buffers(self, num_prompts, group, prompt_len, max_new_tokens, params) -> WaveBuffers:
         """Buffers (and graph) for this wave shape: reused when the shape comes again."""

@@ -3,6 +3,8 @@
 Layout, per layer:
     prompt_k, prompt_v  (P, Lp, nkv, d)   written once by the prefill, read by all G samples
     comp_k, comp_v      (B, Tc, nkv, d)   B = P * G rows; row b belongs to prompt b // G
+The prompt caches are the first P rows of (P + 1, Lp, nkv, d) stores: a prefill padded to a
+graph's row count writes its padding rows' keys and values into the spare row, which nothing reads.
 
 The model never sees the cache: it calls an attention callback `attend(layer, q, k, v)` with this
 step's (or the prefill's) projected, rotated heads. `PrefillAttention` stores the prompt keys and
@@ -35,11 +37,19 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 @dataclass
 class KVCache:
-    prompt_k: list[torch.Tensor]  # per layer (P, Lp, nkv, d)
+    prompt_k: list[torch.Tensor]  # per layer (P, Lp, nkv, d): the first P rows of prompt_store_k
     prompt_v: list[torch.Tensor]
     comp_k: list[torch.Tensor]  # per layer (B, Tc, nkv, d)
     comp_v: list[torch.Tensor]
     prompt_lens: torch.Tensor  # (P,) int64
+    prompt_store_k: list[torch.Tensor]  # per layer (P + 1, Lp, nkv, d): row P is the spare row
+    prompt_store_v: list[torch.Tensor]
+
+    @property
+    def spare_slot(self) -> int:
+        """The first flat slot (prompt * Lp + position) of the spare prompt row."""
+        P, Lp = self.prompt_k[0].shape[:2]
+        return P * Lp
 
     @classmethod
     def allocate(
@@ -51,28 +61,33 @@ class KVCache:
         # completion slots: every sampled token but the last is fed back and needs one
         slots = max(max_new_tokens - 1, 1)
         new = lambda *shape: torch.zeros(*shape, *heads, dtype=dtype, device=device)  # noqa: E731
+        store_k = [new(num_prompts + 1, prompt_capacity) for _ in layers]
+        store_v = [new(num_prompts + 1, prompt_capacity) for _ in layers]
         return cls(
-            [new(num_prompts, prompt_capacity) for _ in layers],
-            [new(num_prompts, prompt_capacity) for _ in layers],
+            [k[:num_prompts] for k in store_k],
+            [v[:num_prompts] for v in store_v],
             [new(rows, slots) for _ in layers],
             [new(rows, slots) for _ in layers],
             torch.zeros(num_prompts, dtype=torch.int64, device=device),
+            store_k,
+            store_v,
         )
 
 
 class PrefillAttention:
-    """Packed prompts (no padding): store each token's k/v at its (prompt, position) slot, then
-    attend causally within each prompt."""
+    """Packed prompts: store each token's k/v at its (prompt, position) slot, then attend causally
+    within each prompt. Padding rows after the prompts' tokens (a graphed prefill's) have slots in
+    the spare row and belong to no sequence of `attention`."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, attention):
-        """`slots` (T,): each token's flat index prompt * Lp + position in the prompt cache;
+        """`slots` (T,): each token's flat index prompt * Lp + position in the prompt store;
         `attention`: the model's packed causal attention for these prompts."""
         self.cache, self.slots, self.attention = cache, slots, attention
 
     def __call__(self, layer: int, q, k, v):
         c = self.cache
-        c.prompt_k[layer].view(-1, *k.shape[1:]).index_copy_(0, self.slots, k)
-        c.prompt_v[layer].view(-1, *v.shape[1:]).index_copy_(0, self.slots, v)
+        c.prompt_store_k[layer].view(-1, *k.shape[1:]).index_copy_(0, self.slots, k)
+        c.prompt_store_v[layer].view(-1, *v.shape[1:]).index_copy_(0, self.slots, v)
         return self.attention(layer, q, k, v)
 
 

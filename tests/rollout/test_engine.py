@@ -18,7 +18,7 @@ from transformers import (
 from fastgrpo.kernels.decode_attention import decode_attention_ref
 from fastgrpo.models.loading import cache_dir
 from fastgrpo.models.transformer import ModelConfig, Transformer
-from fastgrpo.rollout.decode import WaveBuffers
+from fastgrpo.rollout.decode import PrefillInputs, WaveBuffers, prefill_rows
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 
@@ -282,6 +282,89 @@ def test_reused_wave_buffers_give_what_fresh_ones_give():
     expected = fresh.generate(shorter, num_samples=2, max_new_tokens=9, params=params, seed=2)
     assert torch.equal(again.tokens, expected.tokens)
     torch.testing.assert_close(again.logp, expected.logp, rtol=0, atol=1e-6)
+
+
+def test_prefill_rows_pad_at_most_an_eighth_in_multiples_of_64():
+    previous = 0
+    for tokens in [1, 63, 64, 65, 500, 1000, 1024, 1025, 4097, 8191, 8192, 8193, 100_000]:
+        rows = prefill_rows(tokens)
+        assert rows >= tokens and rows % 64 == 0 and rows >= previous
+        assert rows - tokens <= max(63, tokens // 8)
+        previous = rows
+
+
+def test_packed_prefill_inputs_put_padding_in_the_spare_row_and_in_no_prompt():
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    plain = PrefillInputs.pack(prompts, capacity=4)
+    assert plain.tokens.tolist() == [5, 6, 7, 8, 9, 10]
+    assert plain.positions.tolist() == [0, 1, 2, 0, 0, 1]
+    assert plain.slots.tolist() == [0, 1, 2, 4, 8, 9]  # prompt * 4 + position
+    assert plain.cu.tolist() == [0, 3, 4, 6] and plain.lens.tolist() == [3, 1, 2]
+    padded = PrefillInputs.pack(prompts, capacity=4, rows=10)
+    assert padded.tokens.tolist() == plain.tokens.tolist() + [0] * 4
+    assert padded.positions.tolist() == plain.positions.tolist() + [0] * 4
+    assert padded.slots.tolist() == plain.slots.tolist() + [12, 13, 14, 15]  # row 3 of 0..3
+    assert torch.equal(padded.cu, plain.cu)  # the padding belongs to no prompt
+    with pytest.raises(ValueError, match="cannot hold 6 prompt tokens"):
+        PrefillInputs.pack(prompts, capacity=4, rows=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graphed_prefill_gives_what_an_eager_one_gives_and_replays_for_new_prompts():
+    """bf16 (the flash kernels serve): the prefill graph captured by the first rollout is
+    replayed by later ones, prompts of a new length included, and gives what a prefill of the
+    prompts alone (no padding rows, no graph) gives; the padding's keys stay in the spare row."""
+    _, ours = tiny_pair("qwen2", seed=12)
+    ours = ours.cuda().to(torch.bfloat16)
+    params = SamplingParams(1.0)
+    graphed = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    eager = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, prefill_graphs=False)
+    others = [[40, 41, 42, 43], [44, 45], [46, 47, 48, 49, 50, 51]]  # 12 tokens, not 15
+    rows = prefill_rows(15)
+    assert rows == prefill_rows(12)
+    graph = None
+    for prompts, seed in ((PROMPTS, 1), (PROMPTS, 2), (others, 3)):
+        got = graphed.generate(prompts, num_samples=3, max_new_tokens=10, params=params, seed=seed)
+        want = eager.generate(prompts, num_samples=3, max_new_tokens=10, params=params, seed=seed)
+        (wave,) = graphed._kept.values()
+        assert list(wave.prefill_graphs) == [rows]
+        graph = graph or wave.prefill_graphs[rows].graph
+        assert wave.prefill_graphs[rows].graph is graph  # captured once, then replayed
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logp, want.logp, rtol=0, atol=2e-2)
+        (eager_wave,) = eager._kept.values()
+        assert not eager_wave.prefill_graphs
+        for a, b in zip(wave.cache.prompt_k, eager_wave.cache.prompt_k):
+            lens = [len(p) for p in prompts]
+            for i, n in enumerate(lens):
+                torch.testing.assert_close(a[i, :n], b[i, :n], rtol=2e-2, atol=2e-2)
+        assert not eager_wave.cache.prompt_store_k[0][len(prompts)].any()  # spare row unused
+    assert wave.cache.prompt_store_k[0][len(PROMPTS)].any()  # the padding's keys went there
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prefill_graph_is_captured_again_when_another_engine_grows_the_rope_table():
+    """A one-token rollout captures a prefill graph and no decode graph; another engine's longer
+    rollout then moves the model's RoPE table: the next prefill must not replay the old graph
+    (it would read the freed table)."""
+    _, ours = tiny_pair("llama", seed=13)
+    ours = ours.cuda().to(torch.bfloat16)
+    params = SamplingParams(1.0)
+    short = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    first = short.generate(PROMPTS, num_samples=2, max_new_tokens=1, params=params, seed=4)
+    (wave,) = short._kept.values()
+    (old,) = [p.graph for p in wave.prefill_graphs.values()]
+    table = ours.rotary.cos.data_ptr()
+    long = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    long.generate(PROMPTS, num_samples=1, max_new_tokens=400, params=params)
+    assert ours.rotary.cos.data_ptr() != table  # the table grew into a new tensor
+    again = short.generate(PROMPTS, num_samples=2, max_new_tokens=1, params=params, seed=4)
+    torch.cuda.synchronize()
+    (new,) = [p.graph for p in wave.prefill_graphs.values()]
+    assert new is not old
+    assert torch.equal(again.tokens, first.tokens) and torch.equal(again.logp, first.logp)
 
 
 @pytest.mark.gpu
