@@ -193,6 +193,7 @@ class WaveBuffers:
         if captured and self.graph_inputs != self._inputs():
             self.graph = None  # a parameter or the RoPE table moved: capture again
             self.prefill_graphs.clear()
+            self.prefill_pool = None  # freed with its last graph: its handle cannot be reused
         capacity = self.cache.prompt_k[0].shape[1]
         graphed = graph_prefill and self.use_graph
         total = sum(len(p) for p in prompts)

@@ -345,25 +345,62 @@ def test_a_graphed_prefill_gives_what_an_eager_one_gives_and_replays_for_new_pro
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_prefill_graph_is_captured_again_when_another_engine_grows_the_rope_table():
+def test_prefill_graphs_of_several_row_counts_share_a_pool_and_the_oldest_is_dropped():
+    """Prefills of 64, 128 and 192 rows in one wave shape: two graphs kept (one memory pool),
+    each replay as right as an eager prefill, in any order."""
+    _, ours = tiny_pair("qwen2", seed=14)
+    ours = ours.cuda().to(torch.bfloat16)
+    params = SamplingParams(1.0)
+    graphed = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
+    eager = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, prefill_graphs=False)
+
+    def prompts(total):  # three prompts of ~total / 3 tokens, at most 60 (one capacity of 64)
+        return [
+            [(5 * p + i) % NEVER for i in range(total // 3 + (p < total % 3))] for p in range(3)
+        ]
+
+    for total, kept in ((15, [64]), (70, [64, 128]), (150, [128, 192]), (70, [192, 128]),
+                        (15, [128, 64]), (150, [64, 192])):  # fmt: skip
+        got = graphed.generate(prompts(total), num_samples=2, max_new_tokens=6, params=params)
+        want = eager.generate(prompts(total), num_samples=2, max_new_tokens=6, params=params)
+        (wave,) = graphed._kept.values()
+        assert list(wave.prefill_graphs) == kept
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logp, want.logp, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prefill_graph_is_captured_again_when_another_engine_grows_the_rope_table(
+    monkeypatch,
+):
     """A one-token rollout captures a prefill graph and no decode graph; another engine's longer
     rollout then moves the model's RoPE table: the next prefill must not replay the old graph
-    (it would read the freed table)."""
+    (it would read the freed table), and capturing again must work once the old graph, the last
+    user of its memory pool, is gone."""
     _, ours = tiny_pair("llama", seed=13)
     ours = ours.cuda().to(torch.bfloat16)
     params = SamplingParams(1.0)
+    captures = []
+    real = WaveBuffers._capture_prefill
+
+    def counted(wave, *args):
+        captures.append(wave)
+        return real(wave, *args)
+
+    monkeypatch.setattr(WaveBuffers, "_capture_prefill", counted)
     short = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
     first = short.generate(PROMPTS, num_samples=2, max_new_tokens=1, params=params, seed=4)
-    (wave,) = short._kept.values()
-    (old,) = [p.graph for p in wave.prefill_graphs.values()]
+    short.generate(PROMPTS, num_samples=2, max_new_tokens=1, params=params, seed=5)
+    assert len(captures) == 1  # the second rollout replayed it
     table = ours.rotary.cos.data_ptr()
     long = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
     long.generate(PROMPTS, num_samples=1, max_new_tokens=400, params=params)
     assert ours.rotary.cos.data_ptr() != table  # the table grew into a new tensor
+    assert len(captures) == 2
     again = short.generate(PROMPTS, num_samples=2, max_new_tokens=1, params=params, seed=4)
     torch.cuda.synchronize()
-    (new,) = [p.graph for p in wave.prefill_graphs.values()]
-    assert new is not old
+    assert len(captures) == 3 and captures[2] is captures[0]  # the short engine's wave again
     assert torch.equal(again.tokens, first.tokens) and torch.equal(again.logp, first.logp)
 
 
