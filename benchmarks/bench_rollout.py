@@ -10,9 +10,10 @@ Also: the engine's sampled-token log-probs against the trainer's for the same to
 ms per decode step = (time for N new tokens - time for 1 new token) / (N - 1), so the prefill is
 left out; for the engine also the mean time between CUDA events recorded before each decode step
 of a whole rollout (`ms_per_step_in_rollout`: every step's GPU time and any idle gap after it,
-without the setup of the two timed rollouts, which moves the difference by up to ~5% from run to
-run). The floor is the bytes one step must read (weights + the average KV cache) over the copy
-bandwidth measured in the same run. Prints a table, then one JSON line.
+without the setup of the two timed rollouts; while the prefill ran eagerly, its 14-27 ms of host
+time moved the difference by up to ~5% from run to run). The floor is the bytes one step must read
+(weights + the average KV cache) over the copy bandwidth measured in the same run. D also with
+the prefill run eagerly (no prefill graph), 256 tokens and 1. Prints a table, then one JSON line.
 Run on a CUDA GPU:  python benchmarks/bench_rollout.py [--quick] [--no-hf]
 """
 
@@ -190,10 +191,12 @@ class StepEvents:
         return [marks[i][1].elapsed_time(marks[i + 1][1]) for i in range(len(marks) - 1)]
 
 
-def ours_rollout(model, prompts, samples, new_tokens, graphs=True):
+def ours_rollout(model, prompts, samples, new_tokens, graphs=True, prefill_graphs=True):
     """A call that runs one rollout of a fresh engine whose completions all run to full length."""
     never = model.config.vocab_size  # no sampled id equals it: lengths are forced
-    engine = RolloutEngine(model, stop_ids=[never], pad_id=0, cuda_graphs=graphs)
+    engine = RolloutEngine(
+        model, stop_ids=[never], pad_id=0, cuda_graphs=graphs, prefill_graphs=prefill_graphs
+    )
     return lambda: engine.generate(
         prompts, num_samples=samples, max_new_tokens=new_tokens, params=PARAMS, seed=1
     )
@@ -213,8 +216,8 @@ def ours_step_ms_in_rollout(model, prompts, new_tokens, rollouts=3) -> float:
     return sum(times) / len(times)
 
 
-def ours_seconds(model, prompts, samples, new_tokens, graphs=True):
-    return timed(ours_rollout(model, prompts, samples, new_tokens, graphs))
+def ours_seconds(model, prompts, samples, new_tokens, graphs=True, prefill_graphs=True):
+    return timed(ours_rollout(model, prompts, samples, new_tokens, graphs, prefill_graphs))
 
 
 def hf_seconds(model, prompts, samples, new_tokens, cache):
@@ -296,6 +299,11 @@ def whole_rollout(with_hf):
     rows = [
         ("fastgrpo engine", ours_seconds(model, prompts, 8, 256)),
         ("fastgrpo engine, 1 new token", ours_seconds(model, prompts, 8, 1)),  # prefill + setup
+        ("fastgrpo engine, eager prefill", ours_seconds(model, prompts, 8, 256, True, False)),
+        (
+            "fastgrpo engine, eager prefill, 1 token",
+            ours_seconds(model, prompts, 8, 1, True, False),
+        ),
     ]
     if with_hf:
         hf = hf_model(model, "0.5B")
@@ -303,7 +311,7 @@ def whole_rollout(with_hf):
     out = []
     for method, seconds in rows:
         out.append({"workload": "D", "shape": "0.5B", "method": method, "seconds": seconds})
-        print(f"D  0.5B  {method:<34} {seconds:8.3f} s per rollout (8 x 8 x 256, prefill incl.)")
+        print(f"D  0.5B  {method:<40} {seconds:8.3f} s per rollout (8 x 8 x 256, prefill incl.)")
     return out
 
 
