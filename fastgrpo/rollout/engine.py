@@ -21,6 +21,7 @@ counter-based sampler makes the result the same however the rows are split.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ log = logging.getLogger("fastgrpo.rollout")
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
 KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
+# FASTGRPO_PREFILL_GRAPHS=0 runs every prefill eagerly (to compare)
+PREFILL_GRAPHS = os.environ.get("FASTGRPO_PREFILL_GRAPHS", "1") != "0"
 PREFILL_GRAPH_SHARE = 16
 """A prefill is captured as a graph only where its pool's estimate is at most 1 / 16 of the memory
 budget: the pool stays allocated between rollouts, as the KV cache does."""
@@ -66,7 +69,7 @@ class RolloutEngine:
         memory_bytes: int | None = None,
         check_every: int = 8,
         cuda_graphs: bool = True,
-        prefill_graphs: bool = True,
+        prefill_graphs: bool | None = None,
     ):
         if not stop_ids:
             raise ValueError("stop_ids is empty: give at least one token id that ends a completion")
@@ -82,7 +85,8 @@ class RolloutEngine:
             )
         self.check_every = check_every
         self.cuda_graphs = cuda_graphs
-        self.prefill_graphs = prefill_graphs
+        # None: PREFILL_GRAPHS (on unless FASTGRPO_PREFILL_GRAPHS=0)
+        self.prefill_graphs = PREFILL_GRAPHS if prefill_graphs is None else prefill_graphs
         # where the device runs ahead of the host, the host's looks at the finish flags lag by one
         self.lagged_looks = self.device.type == "cuda"
         self._kept: dict[tuple, WaveBuffers] = {}
