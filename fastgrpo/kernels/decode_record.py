@@ -167,38 +167,58 @@ def record_step_triton(
 if triton is not None:
 
     @triton.jit
-    def _all_finished_kernel(finished_ptr, out_ptr, B, BLOCK: tl.constexpr):
-        running = tl.zeros([BLOCK], dtype=tl.int32)
-        for first in range(0, B, BLOCK):
-            rows = first + tl.arange(0, BLOCK)
-            running += (tl.load(finished_ptr + rows, mask=rows < B, other=1) == 0).to(tl.int32)
-        tl.store(out_ptr, tl.sum(running, 0) == 0)
+    def _live_groups_kernel(
+        finished_ptr, out_ptr, P, G, BLOCK_P: tl.constexpr, G_PAD: tl.constexpr
+    ):
+        members = tl.arange(0, G_PAD)
+        live = tl.zeros([BLOCK_P], dtype=tl.int32)
+        for first in range(0, P, BLOCK_P):
+            groups = first + tl.arange(0, BLOCK_P)
+            ok = (groups[:, None] < P) & (members[None, :] < G)
+            flags = tl.load(finished_ptr + groups[:, None] * G + members[None, :], mask=ok, other=1)
+            live += tl.max((flags == 0).to(tl.int32), 1)  # 1 where a row of the group runs
+        tl.store(out_ptr, tl.sum(live, 0))
 
 
-def all_finished_triton(finished: torch.Tensor, out: torch.Tensor) -> None:
-    """`out.fill_(finished.all())` by one Triton launch (one program), for `finished` (B,) bool and
-    `out` a () bool tensor on the GPU or in pinned host memory, which the GPU reaches through
-    unified addressing. No host sync."""
+def live_groups_ref(finished: torch.Tensor, group: int) -> torch.Tensor:
+    """() int32: how many groups of `group` consecutive rows of `finished` (B,) have a row still
+    running."""
+    return (~finished.view(-1, group)).any(1).sum().to(torch.int32)
+
+
+def live_groups_triton(finished: torch.Tensor, group: int, out: torch.Tensor) -> None:
+    """`out.fill_(live_groups_ref(finished, group))` by one Triton launch (one program), for
+    `finished` (B,) bool and `out` a () int32 tensor on the GPU or in pinned host memory, which the
+    GPU reaches through unified addressing. No host sync."""
     if triton is None:
         raise RuntimeError("the Triton finish check needs `pip install triton`")
+    _check_live_groups(finished, group, out)
+    P = finished.numel() // group
+    g_pad = triton.next_power_of_2(group)
+    block = max(1, min(triton.next_power_of_2(max(P, 1)), 1024 // g_pad))
+    _live_groups_kernel[(1,)](finished, out, P, group, BLOCK_P=block, G_PAD=g_pad, num_warps=1)
+
+
+def _check_live_groups(finished, group, out) -> None:
     if finished.dim() != 1 or finished.dtype != torch.bool:
         raise ValueError(
             f"finished must be a (B,) bool tensor, got {tuple(finished.shape)} {finished.dtype}"
         )
-    if out.shape != () or out.dtype != torch.bool:
-        raise ValueError(f"out must be a () bool tensor, got {tuple(out.shape)} {out.dtype}")
-    B = finished.numel()
-    block = min(1024, triton.next_power_of_2(max(B, 1)))
-    _all_finished_kernel[(1,)](finished, out, B, BLOCK=block, num_warps=1)
+    if group < 1 or finished.numel() % group:
+        raise ValueError(f"{finished.numel()} rows do not split into groups of {group}")
+    if out.shape != () or out.dtype != torch.int32:
+        raise ValueError(f"out must be a () int32 tensor, got {tuple(out.shape)} {out.dtype}")
 
 
-def all_finished_into(finished: torch.Tensor, out: torch.Tensor) -> None:
-    """Write `finished.all()` into `out`: on CUDA by `all_finished_triton`, which may write into
-    pinned host memory directly, so a host look at a wave costs one small launch instead of a
-    reduction kernel and a device-to-host copy (each with its hand-off gap); elsewhere by torch."""
+def live_groups_into(finished: torch.Tensor, group: int, out: torch.Tensor) -> None:
+    """Write how many groups of `group` rows have a row still running into `out` (0: all rows
+    finished): on CUDA by `live_groups_triton`, which may write into pinned host memory directly,
+    so a host look at a wave costs one small launch instead of a reduction kernel and a
+    device-to-host copy (each with its hand-off gap); elsewhere by torch."""
     if ENABLED and triton is not None and finished.is_cuda:
-        return all_finished_triton(finished, out)
-    out.copy_(finished.all(), non_blocking=True)
+        return live_groups_triton(finished, group, out)
+    _check_live_groups(finished, group, out)
+    out.copy_(live_groups_ref(finished, group), non_blocking=True)
 
 
 def record_step(

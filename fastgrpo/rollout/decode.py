@@ -8,6 +8,12 @@ replayed: one launch per token instead of several hundred. Buffers are kept per 
 rollouts; the graph reads the model's parameters where they live, so it stays valid across
 optimizer steps (in-place updates). If a parameter or the RoPE table moves, the graph is
 captured again.
+
+Finished groups compacted out: at the host's looks, once the groups of G rows with a row still
+running fit a smaller bucket of prompts (P, ceil(P / 2), ceil(P / 4), ..., 1), their rows, caches
+and prompts move to the front of the buffers (outputs of the rest saved first, at their original
+rows) and the steps run on the first rows only, with a graph per bucket. A group, not a row, is the
+unit: the decode kernels find a row's prompt as row // G.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ from fastgrpo.transfer import to_device
 FOLD_POSITIONS = os.environ.get("FASTGRPO_FOLD_POSITIONS", "1") != "0"
 PREFILL_GRAPHS_KEPT = 2
 """Captured prefills kept per wave shape (one per row bucket, most recently used kept)."""
+
+
+def prompt_buckets(num_prompts: int) -> list[int]:
+    """The live-prompt counts a wave's decode steps run at: P, ceil(P / 2), ceil(P / 4), ..., 1."""
+    sizes = [num_prompts]
+    while sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // 2))
+    return sizes
 
 
 def prefill_rows(tokens: int) -> int:
@@ -129,6 +143,13 @@ class DecodeState:
             pad_id,
         )
 
+    def rows(self, b: int) -> DecodeState:
+        """The first b rows (views; the counters shared)."""
+        return DecodeState(
+            self.tokens[:b], self.logp[:b], self.lengths[:b], self.finished[:b],
+            self.last_token[:b], self.step, self.slot, self.pad_id,
+        )  # fmt: skip
+
     def reset(self) -> None:
         self.tokens.fill_(self.pad_id)
         for t in (self.logp, self.lengths, self.finished, self.last_token, self.step, self.slot):
@@ -145,8 +166,20 @@ class DecodeState:
         )  # fmt: skip
 
 
+@dataclass
+class LiveRows:
+    """The first `prompts` prompts' rows of a wave, as views: what a compacted step reads and
+    writes."""
+
+    prompts: int
+    state: DecodeState
+    seeds: torch.Tensor
+    base_positions: torch.Tensor
+    attend: DecodeAttention
+
+
 class WaveBuffers:
-    """KV cache, decode state and (on a GPU) the captured decode step of one wave shape."""
+    """KV cache, decode state and (on a GPU) the captured decode steps of one wave shape."""
 
     def __init__(
         self,
@@ -176,10 +209,15 @@ class WaveBuffers:
         self.state = DecodeState.allocate(rows, max_new_tokens, pad_id, self.device)
         self.seeds = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.base_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)  # (B,)
-        self.attend = DecodeAttention(self.cache, self.state.slot)
         self.position_bound = prompt_capacity + max_new_tokens
         self.use_graph = cuda_graph and self.device.type == "cuda"
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.num_prompts = num_prompts
+        self.live_prompts = num_prompts  # the bucket the steps run at (compaction lowers it)
+        self.row_ids = torch.arange(rows, device=self.device)  # each row's original row
+        self.compacted = False
+        self.saved: DecodeState | None = None  # outputs at original rows, once compacted
+        self._live: dict[int, LiveRows] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the decode step's, per bucket
         self.graph_inputs: tuple | None = None
         self.prefill_graphs: dict[int, PrefillGraph] = {}  # by row count
         self.prefill_pool = None
@@ -189,9 +227,9 @@ class WaveBuffers:
         `graph_prefill` (and graphs on) the prefill runs `prefill_rows` rows as a CUDA graph,
         captured the first time a row count comes and replayed after: a prefill run eagerly is
         mostly host time at small batches (~0.7 ms of Python per layer on the H100 machine)."""
-        captured = self.graph is not None or self.prefill_graphs
+        captured = self.graphs or self.prefill_graphs
         if captured and self.graph_inputs != self._inputs():
-            self.graph = None  # a parameter or the RoPE table moved: capture again
+            self.graphs.clear()  # a parameter or the RoPE table moved: capture again
             self.prefill_graphs.clear()
             self.prefill_pool = None  # freed with its last graph: its handle cannot be reused
         capacity = self.cache.prompt_k[0].shape[1]
@@ -202,6 +240,8 @@ class WaveBuffers:
         self.base_positions.copy_(torch.from_numpy(np.repeat(inputs.lens.numpy(), self.group)))
         self.seeds.copy_(seeds)
         self.state.reset()
+        self.live_prompts, self.compacted = self.num_prompts, False
+        self.row_ids.copy_(torch.arange(len(self.row_ids)))
         if not graphed:
             cu = to_device(inputs.cu, self.device)
             tokens, positions, slots = (
@@ -258,24 +298,45 @@ class WaveBuffers:
         self.graph_inputs = self._inputs()  # as the decode graph's (`start` drops both)
         return prefill
 
-    def step(self) -> None:
-        """One decode step: replayed from the graph on a GPU (captured on first use)."""
-        if not self.use_graph:
-            return self._step()
-        if self.graph is not None:  # `start` drops it if what it reads has moved
-            return self.graph.replay()
-        self._capture()
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The decode step's graph at all rows (None until captured)."""
+        return self.graphs.get(self.num_prompts)
 
-    def _step(self) -> None:
-        s, model = self.state, self.model
+    def live(self, prompts: int | None = None) -> LiveRows:
+        """Views of the first `prompts` prompts' rows (default: the bucket the steps run at)."""
+        prompts = self.live_prompts if prompts is None else prompts
+        if prompts not in self._live:
+            b = prompts * self.group
+            state = self.state.rows(b)
+            cache = self.cache.prompts(prompts, b)
+            self._live[prompts] = LiveRows(
+                prompts, state, self.seeds[:b], self.base_positions[:b],
+                DecodeAttention(cache, state.slot),
+            )  # fmt: skip
+        return self._live[prompts]
+
+    def step(self) -> None:
+        """One decode step of the live rows: replayed from the bucket's graph on a GPU (captured
+        on first use)."""
+        live = self.live()
+        if not self.use_graph:
+            return self._step(live)
+        graph = self.graphs.get(live.prompts)
+        if graph is not None:  # `start` drops the graphs if what they read has moved
+            return graph.replay()
+        self._capture(live)
+
+    def _step(self, live: LiveRows) -> None:
+        s, model = live.state, self.model
         # each row's prompt length + this step's slot: added in the step's first kernel, not by
         # a torch add (a plain launch in the chain of programmatic dependent launches)
         folded = dict(position_offset=s.slot) if FOLD_POSITIONS else {}
-        positions = self.base_positions if FOLD_POSITIONS else self.base_positions + s.slot
+        positions = live.base_positions if FOLD_POSITIONS else live.base_positions + s.slot
         hidden = model(
             s.last_token,
             positions,
-            self.attend,
+            live.attend,
             position_bound=self.position_bound,
             fused_ops=True,
             **folded,
@@ -284,8 +345,49 @@ class WaveBuffers:
         # step's chain of programmatic dependent launches, so every cache write is done before the
         # next step starts, which the Gluon attention's loads before its wait rely on; a captured
         # step gets that order from the end of its graph's replay
-        sampled = sample_from_hidden(hidden, model.lm_head_weight, self.params, self.seeds, s.step)
+        sampled = sample_from_hidden(hidden, model.lm_head_weight, self.params, live.seeds, s.step)
         s.record(*sampled, self.stop_ids, fed=True)
+
+    def compact(self, live_groups: int) -> None:
+        """Continue at the smallest bucket that holds `live_groups` prompts (at least the groups
+        with a row still running, as a look reported them), if smaller than the current one: each
+        current row's outputs are saved at its original row, then the running groups' rows,
+        caches and prompts move to the front, in order. No host sync."""
+        target = min(b for b in prompt_buckets(self.num_prompts) if b >= max(live_groups, 1))
+        p, G = self.live_prompts, self.group
+        if target >= p:
+            return
+        self._save_outputs()
+        s, c = self.state, self.cache
+        done = s.finished[: p * G].view(p, G).all(1)  # (p,)
+        keep = torch.sort(done.to(torch.uint8), stable=True).indices[:target]  # running first
+        keep_rows = (keep[:, None] * G + torch.arange(G, device=self.device)).flatten()
+        per_row = [s.tokens, s.logp, s.lengths, s.finished, s.last_token, self.seeds]
+        per_row += [self.base_positions, self.row_ids, *c.comp_k, *c.comp_v]
+        for t in per_row:
+            t[: target * G].copy_(t.index_select(0, keep_rows))
+        for t in [c.prompt_lens, *c.prompt_k, *c.prompt_v]:
+            t[:target].copy_(t.index_select(0, keep))
+        self.live_prompts, self.compacted = target, True
+
+    def live_finished(self) -> torch.Tensor:
+        """The finish flags of the rows the steps run on."""
+        return self.state.finished[: self.live_prompts * self.group]
+
+    def _save_outputs(self) -> None:
+        """Write the live rows' outputs so far to their original rows of `saved`."""
+        s = self.state
+        if self.saved is None:
+            self.saved = DecodeState(*(torch.empty_like(t) for t in (s.tokens, s.logp)),
+                                     torch.empty_like(s.lengths), torch.empty_like(s.finished),
+                                     s.last_token, s.step, s.slot, s.pad_id)  # fmt: skip
+        b = self.live_prompts * self.group
+        rows = self.row_ids[:b]
+        for out, t in zip(
+            (self.saved.tokens, self.saved.logp, self.saved.lengths, self.saved.finished),
+            (s.tokens, s.logp, s.lengths, s.finished),
+        ):
+            out.index_copy_(0, rows, t[:b])
 
     def _inputs(self) -> tuple:
         """Addresses the graphs read beyond their own buffers: parameters and the RoPE table (which
@@ -294,19 +396,24 @@ class WaveBuffers:
         rotary = self.model.rotary
         return (*(p.data_ptr() for p in self.model.parameters()), rotary.cos.data_ptr())
 
-    def _capture(self) -> None:
+    def _capture(self, live: LiveRows) -> None:
         """Run this step eagerly on a side stream (warm-up), then capture the next one."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._step()
+            self._step(live)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()  # recorded, not run: the next call replays it
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(live)  # recorded, not run: the next call replays it
+        self.graphs[live.prompts] = graph
         self.graph_inputs = self._inputs()
 
     def result(self) -> tuple[torch.Tensor, ...]:
-        """Copies of (tokens, logp, lengths, finished): the buffers are reused by later waves."""
+        """Copies of (tokens, logp, lengths, finished) in the rows' original order: the buffers are
+        reused by later waves."""
         s = self.state
+        if self.compacted:
+            self._save_outputs()
+            s = self.saved
         return s.tokens.clone(), s.logp.clone(), s.lengths.clone(), s.finished.clone()

@@ -11,7 +11,9 @@ A rollout, for P prompts and G samples each (rows b = p * G + g):
      updates lengths and finish flags on the device. The host looks at the finish flags only every
      `check_every` steps, to stop early. On a GPU the step is a CUDA graph (`decode.py`), and each
      look reads the flags copied at the look before, without waiting (`FinishLook`).
-Rows that have finished keep stepping (their outputs are masked) until the whole wave is done.
+Rows that have finished keep stepping (their outputs are masked) while a row of their group of G
+runs; once the groups still running fit a smaller bucket of prompts, the wave is compacted to it at
+a look (`WaveBuffers.compact`), so finished groups stop costing steps.
 
 The engine reads the model's parameter tensors directly: an optimizer step changes what the next
 rollout samples, with no copy. Rows are split into waves whose KV cache fits `memory_bytes`; the
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.decode_record import all_finished_into
+from fastgrpo.kernels.decode_record import live_groups_into, live_groups_ref
 from fastgrpo.models.attention import flash_serves
 from fastgrpo.rollout.decode import WaveBuffers, prefill_graph_bytes, prefill_rows
 from fastgrpo.rollout.kv_cache import kv_bytes_per_token
@@ -37,6 +39,8 @@ log = logging.getLogger("fastgrpo.rollout")
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
 KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
+# FASTGRPO_COMPACT=0 keeps every row of a wave stepping until all have finished (to compare)
+COMPACT = os.environ.get("FASTGRPO_COMPACT", "1") != "0"
 # FASTGRPO_PREFILL_GRAPHS=0 runs every prefill eagerly (to compare)
 PREFILL_GRAPHS = os.environ.get("FASTGRPO_PREFILL_GRAPHS", "1") != "0"
 PREFILL_GRAPH_SHARE = 16
@@ -70,6 +74,7 @@ class RolloutEngine:
         check_every: int = 8,
         cuda_graphs: bool = True,
         prefill_graphs: bool | None = None,
+        compact: bool | None = None,
     ):
         if not stop_ids:
             raise ValueError("stop_ids is empty: give at least one token id that ends a completion")
@@ -87,6 +92,8 @@ class RolloutEngine:
         self.cuda_graphs = cuda_graphs
         # None: PREFILL_GRAPHS (on unless FASTGRPO_PREFILL_GRAPHS=0)
         self.prefill_graphs = PREFILL_GRAPHS if prefill_graphs is None else prefill_graphs
+        # None: COMPACT (on unless FASTGRPO_COMPACT=0)
+        self.compact = COMPACT if compact is None else compact
         # where the device runs ahead of the host, the host's looks at the finish flags lag by one
         self.lagged_looks = self.device.type == "cuda"
         self._kept: dict[tuple, WaveBuffers] = {}
@@ -186,11 +193,15 @@ class RolloutEngine:
     def _wave(self, prompts, group, max_new_tokens, params, seeds) -> Generation:
         wave = self._buffers(len(prompts), group, max(map(len, prompts)), max_new_tokens, params)
         wave.start(prompts, seeds, graph_prefill=self._graph_prefill(prompts))
-        look = FinishLook(wave.state.finished, lagged=self.lagged_looks)
+        look = FinishLook(lagged=self.lagged_looks)
         for t in range(1, max_new_tokens):
             wave.step()
-            if t % self.check_every == 0 and look.all_finished():
-                break
+            if t % self.check_every == 0:
+                live = look.live_groups(wave.live_finished(), group)
+                if live == 0:
+                    break
+                if self.compact:
+                    wave.compact(live)
         return Generation(*wave.result())
 
     def _graph_prefill(self, prompts) -> bool:
@@ -230,35 +241,40 @@ class RolloutEngine:
 
 
 class FinishLook:
-    """The host's look at a wave's finish flags (a device tensor the decode step updates).
+    """The host's look at a wave's finish flags (a device tensor the decode step updates): how many
+    groups of G rows still have a row running (0: the wave is done).
 
-    Plain: each look waits for the device and reads the flags as they are. Lagged: each look
-    has the device write "all rows finished" into pinned host memory without waiting, and answers
-    with what the look before had written, so the device always has the steps launched since then
-    queued and never drains while the host waits (on an H100, a drained step cost ~85 us more).
-    A wave whose rows have all stopped then ends one look later; rows that have finished keep
-    stepping with their outputs masked, so the rollout is the same either way. On a GPU the write
-    is one small kernel (`decode_record.all_finished_into`), not a reduction and a copy.
+    Plain: each look waits for the device and counts the flags as they are. Lagged: each look has
+    the device write the count into pinned host memory without waiting, and answers with what the
+    look before had written (the first look: every group), so the device always has the steps
+    launched since then queued and never drains while the host waits (on an H100, a drained step
+    cost ~85 us more). Rows only finish, so a lagged count is an upper bound: a wave whose rows
+    have all stopped ends one look later, and a compaction keeps every group still running. On a
+    GPU the write is one small kernel (`decode_record.live_groups_into`), not a reduction and a
+    copy.
     """
 
-    def __init__(self, finished: torch.Tensor, *, lagged: bool):
-        self.finished = finished
+    def __init__(self, *, lagged: bool):
         self.lagged = lagged
-        on_gpu = finished.device.type == "cuda"
-        self._copy = torch.zeros((), dtype=torch.bool, pin_memory=on_gpu) if lagged else None
-        self._copied = torch.cuda.Event() if lagged and on_gpu else None
+        self._copy: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
         self._looks = 0
 
-    def all_finished(self) -> bool:
+    def live_groups(self, finished: torch.Tensor, group: int) -> int:
+        """The count for `finished` (the live rows' flags) in groups of `group` rows."""
         if not self.lagged:
-            return bool(self.finished.all())
-        seen = False
+            return int(live_groups_ref(finished, group))
+        on_gpu = finished.device.type == "cuda"
+        if self._copy is None:
+            self._copy = torch.zeros((), dtype=torch.int32, pin_memory=on_gpu)
+            self._copied = torch.cuda.Event() if on_gpu else None
+        seen = finished.numel() // group
         if self._looks:
             if self._copied is not None:
                 self._copied.synchronize()
-            seen = bool(self._copy)
+            seen = int(self._copy)
         self._looks += 1
-        all_finished_into(self.finished, self._copy)
+        live_groups_into(finished, group, self._copy)
         if self._copied is not None:
             self._copied.record()
         return seen

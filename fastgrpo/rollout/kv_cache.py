@@ -45,6 +45,18 @@ class KVCache:
     prompt_store_k: list[torch.Tensor]  # per layer (P + 1, Lp, nkv, d): row P is the spare row
     prompt_store_v: list[torch.Tensor]
 
+    def prompts(self, p: int, b: int) -> KVCache:
+        """The first p prompts' caches and the first b rows' (views)."""
+        return KVCache(
+            [k[:p] for k in self.prompt_k],
+            [v[:p] for v in self.prompt_v],
+            [k[:b] for k in self.comp_k],
+            [v[:b] for v in self.comp_v],
+            self.prompt_lens[:p],
+            self.prompt_store_k,
+            self.prompt_store_v,
+        )
+
     @property
     def spare_slot(self) -> int:
         """The first flat slot (prompt * Lp + position) of the spare prompt row."""

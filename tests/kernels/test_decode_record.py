@@ -77,30 +77,41 @@ def test_many_stop_ids(n_stop):
     assert bool(got[3][0])
 
 
-@pytest.mark.parametrize("B", [1, 5, 1500])
-@pytest.mark.parametrize("pattern", ["all", "one-running", "none"])
-def test_all_finished_kernel_is_torch_all(B, pattern):
-    """The host's finish look: the kernel's answer equals finished.all(), written on the device or,
-    on a GPU, straight into pinned host memory (1500 rows: two blocks of the kernel's loop)."""
+@pytest.mark.parametrize("B, group", [(1, 1), (5, 1), (6, 3), (1500, 1), (3000, 6), (40, 8)])
+@pytest.mark.parametrize("pattern", ["all", "one-running", "none", "random"])
+def test_live_groups_kernel_counts_the_groups_with_a_row_running(B, group, pattern):
+    """The host's finish look: the kernel's count equals the torch reference, written on the
+    device or, on a GPU, straight into pinned host memory (1500 groups: two blocks of the loop)."""
     finished = torch.ones(B, dtype=torch.bool)
     if pattern == "one-running":
-        finished[B * 2 // 3] = False  # in the second block at 1500 rows
+        finished[B * 2 // 3] = False  # in the second block at 1500 groups
     elif pattern == "none":
         finished[:] = False
+    elif pattern == "random":
+        finished = torch.rand(B, generator=torch.Generator().manual_seed(B)) < 0.8
+    want = {"all": 0, "one-running": 1, "none": B // group}.get(pattern)
+    if want is None:
+        want = sum(not bool(finished[i : i + group].all()) for i in range(0, B, group))
     finished = finished.to(DEVICE)
-    outs = [torch.tensor(not bool(finished.all().item()), device=DEVICE)]  # the wrong answer first
+    assert int(decode_record.live_groups_ref(finished, group)) == want
+    outs = [torch.tensor(-1, dtype=torch.int32, device=DEVICE)]  # a wrong answer first
     if ON_GPU:
-        outs.append(torch.tensor(not bool(finished.all().item())).pin_memory())
+        outs.append(torch.tensor(-1, dtype=torch.int32).pin_memory())
     for out in outs:
-        decode_record.all_finished_triton(finished, out)
+        decode_record.live_groups_triton(finished, group, out)
         if ON_GPU:
             torch.cuda.synchronize()
-        assert bool(out) == bool(finished.all()) == (pattern == "all")
+        assert int(out) == want
 
 
-def test_all_finished_launcher_says_what_it_cannot_take():
+def test_live_groups_launcher_says_what_it_cannot_take():
     finished = torch.ones(4, dtype=torch.bool, device=DEVICE)
+    out = torch.tensor(0, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="bool"):
-        decode_record.all_finished_triton(finished.int(), torch.tensor(True, device=DEVICE))
+        decode_record.live_groups_triton(finished.int(), 1, out)
+    with pytest.raises(ValueError, match="groups of 3"):
+        decode_record.live_groups_triton(finished, 3, out)
     with pytest.raises(ValueError, match="out must be"):
-        decode_record.all_finished_triton(finished, torch.zeros(2, dtype=torch.bool, device=DEVICE))
+        decode_record.live_groups_triton(
+            finished, 2, torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        )

@@ -181,6 +181,60 @@ def test_how_often_the_host_checks_for_finished_rows_changes_no_result():
         RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, check_every=0)
 
 
+@pytest.mark.parametrize("lagged", [False, True], ids=["plain-looks", "lagged-looks"])
+def test_finished_groups_compacted_out_give_the_same_rollout_in_fewer_row_steps(
+    monkeypatch, lagged
+):
+    """Stop ids that end ~1 row in 4 per step: groups finish at different steps, the wave moves
+    to buckets of 8, 4, 2, 1 prompts as they do, and every row's tokens, log-probs, length and
+    finish flag are those of the rollout that steps every row to the end."""
+    _, ours = tiny_pair("qwen2", seed=15)
+    params = SamplingParams(1.0)
+    prompts = [[(3 * p + i) % NEVER for i in range(2 + p % 4)] for p in range(13)]
+    stops = list(range(0, VOCAB - 1, 4))  # 24 of the 96 ids a sample can take
+    rows_stepped = []
+    real_step = WaveBuffers.step
+
+    def counted(wave):
+        rows_stepped.append(wave.live_prompts * wave.group)
+        return real_step(wave)
+
+    monkeypatch.setattr(WaveBuffers, "step", counted)
+    outs = []
+    for compact in (False, True):
+        engine = RolloutEngine(ours, stop_ids=stops, pad_id=0, check_every=2, compact=compact)
+        engine.lagged_looks = lagged
+        rows_stepped.clear()
+        outs.append(engine.generate(prompts, num_samples=3, max_new_tokens=24, params=params))
+        (wave,) = engine._kept.values()
+        assert wave.compacted == compact
+        steps = list(rows_stepped)
+    whole, compacted = outs
+    assert whole.finished.any() and (whole.lengths > 8).any()  # lengths vary
+    for field in ("tokens", "lengths", "finished"):
+        assert torch.equal(getattr(compacted, field), getattr(whole, field))
+    torch.testing.assert_close(compacted.logp, whole.logp, rtol=0, atol=1e-5)
+    assert steps[0] == 39 and set(steps) <= {39, 21, 12, 6, 3}  # buckets of 13, 7, 4, 2, 1 prompts
+    assert steps[-1] < 39
+
+
+def test_a_compacted_wave_starts_the_next_rollout_with_every_row():
+    _, ours = tiny_pair("llama", seed=16)
+    params = SamplingParams(1.0)
+    stops = list(range(0, VOCAB - 1, 3))
+    engine = RolloutEngine(ours, stop_ids=stops, pad_id=0, check_every=1)
+    prompts = [[5 + p, 6 + p, 7] for p in range(6)]
+    engine.generate(prompts, num_samples=2, max_new_tokens=20, params=params, seed=1)
+    (wave,) = engine._kept.values()
+    assert wave.compacted
+    again = engine.generate(prompts, num_samples=2, max_new_tokens=20, params=params, seed=2)
+    fresh = RolloutEngine(ours, stop_ids=stops, pad_id=0, check_every=1)
+    want = fresh.generate(prompts, num_samples=2, max_new_tokens=20, params=params, seed=2)
+    for field in ("tokens", "lengths", "finished"):
+        assert torch.equal(getattr(again, field), getattr(want, field))
+    torch.testing.assert_close(again.logp, want.logp, rtol=0, atol=1e-6)
+
+
 def test_lagged_looks_at_the_finish_flags_give_the_same_rollout_one_look_later(monkeypatch):
     """On a GPU each look at the finish flags answers with the copy the look before started (the
     device never drains while the host waits): same tokens, and a wave whose rows have all
@@ -402,6 +456,38 @@ def test_a_prefill_graph_is_captured_again_when_another_engine_grows_the_rope_ta
     torch.cuda.synchronize()
     assert len(captures) == 3 and captures[2] is captures[0]  # the short engine's wave again
     assert torch.equal(again.tokens, first.tokens) and torch.equal(again.logp, first.logp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compacted_graphed_steps_give_what_every_row_stepping_gives():
+    """bf16 with graphs (the decode kernels, a graph per bucket): the compacted rollout's rows
+    are the uncompacted one's, and a second rollout replays the buckets' graphs."""
+    _, ours = tiny_pair("qwen2", seed=17)
+    ours = ours.cuda().to(torch.bfloat16)
+    ours.pack_projections()
+    params = SamplingParams(1.0)
+    prompts = [[(3 * p + i) % NEVER for i in range(2 + p % 4)] for p in range(16)]
+    stops = list(range(0, VOCAB - 1, 5))
+    engines = [
+        RolloutEngine(ours, stop_ids=stops, pad_id=0, check_every=2, compact=compact)
+        for compact in (False, True)
+    ]
+    for seed in (1, 2):
+        whole, compacted = (
+            e.generate(prompts, num_samples=4, max_new_tokens=32, params=params, seed=seed)
+            for e in engines
+        )
+        (wave,) = engines[1]._kept.values()
+        assert wave.compacted and len(wave.graphs) > 1
+        if seed == 1:
+            graphs = dict(wave.graphs)
+        else:  # replayed, not captured again
+            assert all(wave.graphs[p] is g for p, g in graphs.items())
+        assert whole.finished.any() and (whole.lengths > 10).any()
+        for field in ("tokens", "lengths", "finished"):
+            assert torch.equal(getattr(compacted, field), getattr(whole, field))
+        torch.testing.assert_close(compacted.logp, whole.logp, rtol=0, atol=1e-3)
 
 
 @pytest.mark.gpu
