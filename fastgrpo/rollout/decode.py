@@ -10,7 +10,7 @@ optimizer steps (in-place updates). If a parameter or the RoPE table moves, the 
 captured again.
 
 Finished groups compacted out: at the host's looks, once the groups of G rows with a row still
-running fit a smaller bucket of prompts (P, ceil(P / 2), ceil(P / 4), ..., 1), their rows, caches
+running fit a smaller bucket of prompts (`prompt_buckets`: P, 3P/4, 9P/16, ..., 1), their rows, caches
 and prompts move to the front of the buffers (outputs of the rest saved first, at their original
 rows) and the steps run on the first rows only, with a graph per bucket. A group, not a row, is the
 unit: the decode kernels find a row's prompt as row // G.
@@ -37,10 +37,12 @@ PREFILL_GRAPHS_KEPT = 2
 
 
 def prompt_buckets(num_prompts: int) -> list[int]:
-    """The live-prompt counts a wave's decode steps run at: P, ceil(P / 2), ceil(P / 4), ..., 1."""
+    """The live-prompt counts a wave's decode steps run at: P, then each 3/4 of the one before
+    (rounded down, at least one less), down to 1 (64: 64, 48, 36, 27, 20, 15, 11, 8, 6, 4, 3, 2, 1).
+    Halving left most of a rollout at the first bucket: a group lasts as long as its longest row."""
     sizes = [num_prompts]
     while sizes[-1] > 1:
-        sizes.append(-(-sizes[-1] // 2))
+        sizes.append(min(sizes[-1] - 1, 3 * sizes[-1] // 4) or 1)
     return sizes
 
 

@@ -17,7 +17,9 @@ a look (`WaveBuffers.compact`), so finished groups stop costing steps.
 
 The engine reads the model's parameter tensors directly: an optimizer step changes what the next
 rollout samples, with no copy. Rows are split into waves whose KV cache fits `memory_bytes`; the
-counter-based sampler makes the result the same however the rows are split.
+counter-based sampler makes the result the same however the rows are split, up to the kernels a
+batch size selects on a GPU (at most 64 rows: the fused LM-head sampler's fp32 logits), whose
+roundings can turn a near tie between two tokens the other way.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from transformers import (
 from fastgrpo.kernels.decode_attention import decode_attention_ref
 from fastgrpo.models.loading import cache_dir
 from fastgrpo.models.transformer import ModelConfig, Transformer
-from fastgrpo.rollout.decode import PrefillInputs, WaveBuffers, prefill_rows
+from fastgrpo.rollout.decode import PrefillInputs, WaveBuffers, prefill_rows, prompt_buckets
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 
@@ -181,12 +181,21 @@ def test_how_often_the_host_checks_for_finished_rows_changes_no_result():
         RolloutEngine(ours, stop_ids=[NEVER], pad_id=0, check_every=0)
 
 
+def test_prompt_buckets_shrink_by_a_quarter_down_to_one_prompt():
+    assert prompt_buckets(64) == [64, 48, 36, 27, 20, 15, 11, 8, 6, 4, 3, 2, 1]
+    assert prompt_buckets(1) == [1] and prompt_buckets(2) == [2, 1]
+    for P in range(1, 300):
+        sizes = prompt_buckets(P)
+        assert sizes[0] == P and sizes[-1] == 1
+        assert all(b < a and b >= (3 * a) // 4 for a, b in zip(sizes, sizes[1:]))
+
+
 @pytest.mark.parametrize("lagged", [False, True], ids=["plain-looks", "lagged-looks"])
 def test_finished_groups_compacted_out_give_the_same_rollout_in_fewer_row_steps(
     monkeypatch, lagged
 ):
     """Stop ids that end ~1 row in 4 per step: groups finish at different steps, the wave moves
-    to buckets of 8, 4, 2, 1 prompts as they do, and every row's tokens, log-probs, length and
+    to smaller buckets of prompts as they do, and every row's tokens, log-probs, length and
     finish flag are those of the rollout that steps every row to the end."""
     _, ours = tiny_pair("qwen2", seed=15)
     params = SamplingParams(1.0)
@@ -214,7 +223,15 @@ def test_finished_groups_compacted_out_give_the_same_rollout_in_fewer_row_steps(
     for field in ("tokens", "lengths", "finished"):
         assert torch.equal(getattr(compacted, field), getattr(whole, field))
     torch.testing.assert_close(compacted.logp, whole.logp, rtol=0, atol=1e-5)
-    assert steps[0] == 39 and set(steps) <= {39, 21, 12, 6, 3}  # buckets of 13, 7, 4, 2, 1 prompts
+    assert steps[0] == 39 and set(steps) <= {
+        39,
+        27,
+        18,
+        12,
+        9,
+        6,
+        3,
+    }  # 13, 9, 6, 4, 3, 2, 1 prompts
     assert steps[-1] < 39
 
 
