@@ -62,10 +62,8 @@ if triton is not None:
 # FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
 ENABLED = os.environ.get("FASTGRPO_DECODE_LINEAR", "1") != "0"
 KERNEL_DTYPES = (torch.bfloat16,)
-MAX_ROWS = 128
-"""The most rows the kernel takes. At 128 rows of the 0.5B shape the replayed decode step took
-35 us less than with cuBLAS past 64 rows; at 256 rows 293 us more
-(benchmarks/results/decode_rows_h100_v1.txt)."""
+MAX_ROWS = 64
+"""The most rows the kernel takes. At 256 rows cuBLAS was faster for all but o_proj."""
 MAX_WEIGHT_ELEMENTS = 9 * 2**20
 """The largest weight (packed gate/up counted whole) the kernel takes: the 0.5B gate/up (8.7M)
 won, the 7B o_proj (12.8M) and larger lost to cuBLAS."""
