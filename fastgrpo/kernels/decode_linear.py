@@ -63,7 +63,9 @@ if triton is not None:
 ENABLED = os.environ.get("FASTGRPO_DECODE_LINEAR", "1") != "0"
 KERNEL_DTYPES = (torch.bfloat16,)
 MAX_ROWS = 64
-"""The most rows the kernel takes. At 256 rows cuBLAS was faster for all but o_proj."""
+"""The most rows the kernel takes. At 256 rows cuBLAS was faster for all but o_proj. Past 64 rows
+(two 64-row blocks) the replayed 0.5B decode step was 57 and 31 us slower with the kernel at 72
+and 96 rows, 32-35 us faster at 128 (benchmarks/results/decode_rows_h100_v1.txt): not taken."""
 MAX_WEIGHT_ELEMENTS = 9 * 2**20
 """The largest weight (packed gate/up counted whole) the kernel takes: the 0.5B gate/up (8.7M)
 won, the 7B o_proj (12.8M) and larger lost to cuBLAS."""
