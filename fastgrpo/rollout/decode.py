@@ -217,7 +217,8 @@ class WaveBuffers:
         self.live_prompts = num_prompts  # the bucket the steps run at (compaction lowers it)
         self.row_ids = torch.arange(rows, device=self.device)  # each row's original row
         self.compacted = False
-        self.saved: DecodeState | None = None  # outputs at original rows, once compacted
+        # (tokens, logp, lengths, finished) at the original rows, once a rollout compacted
+        self.saved: tuple[torch.Tensor, ...] | None = None
         self._live: dict[int, LiveRows] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the decode step's, per bucket
         self.graph_inputs: tuple | None = None
@@ -242,8 +243,9 @@ class WaveBuffers:
         self.base_positions.copy_(torch.from_numpy(np.repeat(inputs.lens.numpy(), self.group)))
         self.seeds.copy_(seeds)
         self.state.reset()
+        if self.compacted:  # the rows' order of the last rollout
+            self.row_ids.copy_(torch.arange(len(self.row_ids), device=self.device))
         self.live_prompts, self.compacted = self.num_prompts, False
-        self.row_ids.copy_(torch.arange(len(self.row_ids)))
         if not graphed:
             cu = to_device(inputs.cu, self.device)
             tokens, positions, slots = (
@@ -379,16 +381,12 @@ class WaveBuffers:
     def _save_outputs(self) -> None:
         """Write the live rows' outputs so far to their original rows of `saved`."""
         s = self.state
+        outputs = (s.tokens, s.logp, s.lengths, s.finished)
         if self.saved is None:
-            self.saved = DecodeState(*(torch.empty_like(t) for t in (s.tokens, s.logp)),
-                                     torch.empty_like(s.lengths), torch.empty_like(s.finished),
-                                     s.last_token, s.step, s.slot, s.pad_id)  # fmt: skip
+            self.saved = tuple(torch.empty_like(t) for t in outputs)
         b = self.live_prompts * self.group
         rows = self.row_ids[:b]
-        for out, t in zip(
-            (self.saved.tokens, self.saved.logp, self.saved.lengths, self.saved.finished),
-            (s.tokens, s.logp, s.lengths, s.finished),
-        ):
+        for out, t in zip(self.saved, outputs):
             out.index_copy_(0, rows, t[:b])
 
     def _inputs(self) -> tuple:
@@ -415,7 +413,8 @@ class WaveBuffers:
         """Copies of (tokens, logp, lengths, finished) in the rows' original order: the buffers are
         reused by later waves."""
         s = self.state
+        outputs = (s.tokens, s.logp, s.lengths, s.finished)
         if self.compacted:
             self._save_outputs()
-            s = self.saved
-        return s.tokens.clone(), s.logp.clone(), s.lengths.clone(), s.finished.clone()
+            outputs = self.saved
+        return tuple(t.clone() for t in outputs)
