@@ -9,7 +9,7 @@ each row's seed and step, but a batch size may select other kernels (at most 64 
 LM-head sampler with fp32 logits; more: cuBLAS's bf16 logits), so a row can sample another token
 where two scores are that close, and its completion goes another way from there: the share of
 rows whose completions are identical is reported, and the lengths' statistics. Also the replayed
-decode step at each bucket the compacted rollout ran at (slots 0-255). Prints a table, then one
+decode step at each bucket the compacted rollout ran at (slots 0-254, `replayed_step_ms`). Prints a table, then one
 JSON line.
 Run on a CUDA GPU:  python benchmarks/bench_compaction.py [--stride 200]
 """
@@ -20,11 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ab_decode_step import replayed_step_ms  # noqa: E402
 from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
 
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
@@ -74,7 +73,8 @@ def main():
     (wave,) = engine._kept.values()  # the compacted engine's
     buckets = {}
     for prompts in sorted(wave.graphs, reverse=True):
-        buckets[prompts * SAMPLES] = bucket_step_ms(wave, prompts)
+        wave.live_prompts = prompts  # the next rollout's start sets it back
+        buckets[prompts * SAMPLES] = replayed_step_ms(wave)
         print(
             f"  replayed step at {prompts * SAMPLES:3d} rows: {buckets[prompts * SAMPLES]:.3f} ms"
         )
@@ -93,20 +93,6 @@ def main():
         speedup=speedup,
         replayed_step_ms_by_rows=buckets,
     )
-
-
-def bucket_step_ms(wave, prompts: int, steps: int = 256) -> float:
-    """ms per step of the graph captured at `prompts` live prompts, replayed from slot 0."""
-    graph = wave.graphs[prompts]
-    wave.state.step.fill_(1)
-    wave.state.slot.fill_(0)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 if __name__ == "__main__":

@@ -273,12 +273,13 @@ class WaveBuffers:
             tokens, positions, attend, position_bound=self.position_bound, fused_ops=True
         )  # (rows, H)
         logits = model.logits(hidden[(cu[1:] - 1).long()])  # (P, V)
-        if self.group > 1:  # each prompt's row for its G samples (no host sync, unlike
-            logits = logits[:, None].expand(-1, self.group, -1).flatten(0, 1)  # repeat_interleave)
+        if self.group > 1:  # each prompt's row for its G samples; repeat_interleave syncs
+            logits = logits[:, None].expand(-1, self.group, -1).flatten(0, 1)  # (B, V)
         s = self.state
         s.record(*sample_tokens(logits, self.params, self.seeds, s.step), self.stop_ids, fed=False)
 
-    def _graph_prefill(self, prefill: PrefillGraph) -> None:
+    def _prefill_on(self, prefill: PrefillGraph) -> None:
+        """`_prefill` on a prefill graph's input buffers."""
         tokens, positions, slots, cu = prefill.views()
         # max_len: the prompt capacity, a bound on every prompt that fits this wave
         self._prefill(tokens, positions, slots, cu.to(torch.int32), self.cache.prompt_k[0].shape[1])
@@ -292,13 +293,13 @@ class WaveBuffers:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._graph_prefill(prefill)
+            self._prefill_on(prefill)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.prefill_pool is None:
             self.prefill_pool = torch.cuda.graph_pool_handle()
         prefill.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(prefill.graph, pool=self.prefill_pool):
-            self._graph_prefill(prefill)  # recorded, not run: later rollouts replay it
+            self._prefill_on(prefill)  # recorded, not run: later rollouts replay it
         self.graph_inputs = self._inputs()  # as the decode graph's (`start` drops both)
         return prefill
 
@@ -307,9 +308,9 @@ class WaveBuffers:
         """The decode step's graph at all rows (None until captured)."""
         return self.graphs.get(self.num_prompts)
 
-    def live(self, prompts: int | None = None) -> LiveRows:
-        """Views of the first `prompts` prompts' rows (default: the bucket the steps run at)."""
-        prompts = self.live_prompts if prompts is None else prompts
+    def live(self) -> LiveRows:
+        """Views of the rows of the bucket the steps run at (made once per bucket)."""
+        prompts = self.live_prompts
         if prompts not in self._live:
             b = prompts * self.group
             state = self.state.rows(b)

@@ -5,7 +5,7 @@ A rollout, for P prompts and G samples each (rows b = p * G + g):
      prompt part of the KV cache, shared by the G samples; the last prompt token's logits give
      every sample's first token. On a GPU the prefill is a CUDA graph too, for the packed token
      count rounded up (`decode.prefill_rows`, padding rows computed and dropped): run eagerly, a
-     small batch's prefill is mostly the host's launches (`_graph_prefill` says where it applies);
+     small batch's prefill is mostly the host's launches (where: `_prefill_graph_applies`);
   2. decode: one token per row per step; each step writes one completion slot of the cache,
      samples on the device (counter-based noise: a sample's tokens depend only on its seed) and
      updates lengths and finish flags on the device. The host looks at the finish flags only every
@@ -194,7 +194,7 @@ class RolloutEngine:
 
     def _wave(self, prompts, group, max_new_tokens, params, seeds) -> Generation:
         wave = self._buffers(len(prompts), group, max(map(len, prompts)), max_new_tokens, params)
-        wave.start(prompts, seeds, graph_prefill=self._graph_prefill(prompts))
+        wave.start(prompts, seeds, graph_prefill=self._prefill_graph_applies(prompts))
         look = FinishLook(lagged=self.lagged_looks)
         for t in range(1, max_new_tokens):
             wave.step()
@@ -206,7 +206,7 @@ class RolloutEngine:
                     wave.compact(live)
         return Generation(*wave.result())
 
-    def _graph_prefill(self, prompts) -> bool:
+    def _prefill_graph_applies(self, prompts) -> bool:
         """Whether this wave's prefill runs as a CUDA graph: graphs on, on a GPU, attention by
         the flash kernels (capturable), and the graph's memory small beside the budget."""
         cfg = self.model.config

@@ -57,12 +57,6 @@ class KVCache:
             self.prompt_store_v,
         )
 
-    @property
-    def spare_slot(self) -> int:
-        """The first flat slot (prompt * Lp + position) of the spare prompt row."""
-        P, Lp = self.prompt_k[0].shape[:2]
-        return P * Lp
-
     @classmethod
     def allocate(
         cls, config, num_prompts, prompt_capacity, rows, max_new_tokens, dtype, device
