@@ -4,7 +4,7 @@ Workload as in issue 5 and PERFORMANCE.md ("End to end"): Qwen2.5-0.5B shape (or
 random weights (bf16 on a GPU, fp32 on the CPU), 8 prompts x 8 completions, prompt 128 tokens,
 every completion forced to 256 tokens, one optimizer update per rollout (num_iterations 1, one
 mini-batch), beta 0.04 (a frozen reference model scores every completion), no gradient
-checkpointing, AdamW.
+checkpointing, AdamW (by default over fp32 master weights of the bf16 ones: --master-weights).
 
 What is timed is what users run: `grpo_step` of `fastgrpo.train.loop` on a Trainer made by
 `build_trainer`, as `fastgrpo train` makes it; only the models (random weights) and the tokenizer
@@ -120,6 +120,7 @@ def step_config(args) -> Config:
     config.train.micro_batch_tokens = args.micro_batch_tokens
     config.train.steps = args.warmup + args.steps
     config.model.gradient_checkpointing = False
+    config.train.master_weights = args.master_weights
     config.rewards = [{"function": distinct_reward}]
     validate(config)
     return config
@@ -170,8 +171,11 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
     peak = None
     if device.type == "cuda":  # grpo_step restarts the peak counter as each step starts
         peak = max(r["peak_memory_gib"] for r in timed) - baseline / 2**30
+    name = (
+        "fastgrpo" if args.master_weights == "auto" else f"fastgrpo, masters {args.master_weights}"
+    )
     row = summary(
-        "fastgrpo",
+        name,
         seconds[args.warmup :],
         [r["completion/mean_length"] * len(examples) * args.samples for r in timed],
         peak,
@@ -341,6 +345,12 @@ def main():
         default=TrainConfig.micro_batch_tokens,
         help="train.micro_batch_tokens (default: fastgrpo's default)",
     )
+    parser.add_argument(
+        "--master-weights",
+        choices=("auto", "fp32", "off"),
+        default="auto",
+        help="train.master_weights (auto: fp32 masters of the bf16 weights)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--device", default="cuda")
@@ -372,6 +382,7 @@ def main():
         "completion_len": args.completion_len,
         "beta": args.beta,
         "micro_batch_tokens": args.micro_batch_tokens,
+        "master_weights": args.master_weights,
         "steps": args.steps,
         "warmup": args.warmup,
     }

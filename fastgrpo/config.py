@@ -99,6 +99,10 @@ class TrainConfig:
     # (benchmarks/NOTES.md, issue 5); lower it for larger models or longer completions
     micro_batch_tokens: int = 12288
     fused_lm_head: str = "auto"  # auto (Triton on CUDA) | on | off: fused LM-head loss kernels
+    # auto | fp32: AdamW steps fp32 masters of bf16 weights, fp32 moments (the bf16 weights are
+    # refreshed from them after each step); off: AdamW updates bf16 weights in place, which
+    # rounds updates below half a bf16 ulp away (most of them at lr 1e-5)
+    master_weights: str = "auto"
     seed: int = 0
 
 
@@ -286,10 +290,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        if isinstance(value, bool) and "on" in _CHOICES.get(
-            key, ()
-        ):  # YAML 1.1 reads on/off as bools
-            return "on" if value else "off"
+        if isinstance(value, bool):  # YAML 1.1 reads on/off as bools
+            word = "on" if value else "off"
+            if word in _CHOICES.get(key, ()):
+                return word
     raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__})")
 
 
@@ -306,6 +310,7 @@ _CHOICES = {
     "algo.baseline": ("mean", "leave_one_out"),
     "train.lr_scheduler": ("constant", "linear", "cosine"),
     "train.fused_lm_head": ("auto", "on", "off"),
+    "train.master_weights": ("auto", "fp32", "off"),
 }
 
 # key -> (lowest allowed, inclusive?)

@@ -30,7 +30,8 @@ from fastgrpo.train.checkpoint import (
 )
 from fastgrpo.train.evaluate import decode_completions, evaluate, reward_columns
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
-from fastgrpo.train.optim import build_optimizer, build_scheduler
+from fastgrpo.train.optim import ModelOptimizer, build_scheduler
+from fastgrpo.train.precision import rounded_away_fraction
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.update import update_policy, use_fused_lm_head
 from fastgrpo.transfer import to_device
@@ -56,7 +57,7 @@ class Trainer:
     model: object
     ref_model: object | None  # frozen reference; None when beta == 0
     tokenizer: object
-    optimizer: torch.optim.Optimizer
+    optimizer: ModelOptimizer  # AdamW, over fp32 masters of bf16 weights by default
     scheduler: object
     rewards: RewardSet
     stop_ids: list[int]
@@ -147,15 +148,17 @@ def build_trainer(
     if ref_model is not None:
         ref_model.requires_grad_(False).eval()
     t = config.train
-    optimizer = build_optimizer(
+    check_training_precision(config, model)
+    optimizer = ModelOptimizer(
         model,
         learning_rate=t.learning_rate,
         weight_decay=t.weight_decay,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
+        master_weights=t.master_weights,
     )
     scheduler = build_scheduler(
-        optimizer,
+        optimizer.adamw,
         kind=t.lr_scheduler,
         warmup_steps=t.warmup_steps,
         total_steps=t.steps * t.num_iterations * t.mini_batches,
@@ -169,6 +172,27 @@ def build_trainer(
         rewards if rewards is not None else build_rewards(config),
         stop_token_ids(tokenizer, model),
     )
+
+
+def check_training_precision(config: Config, model) -> None:
+    """Refuse fp16 training; warn when train.master_weights=off would round the updates away."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if any(p.dtype == torch.float16 for p in params):
+        raise ConfigError(
+            "model.dtype=float16 cannot train here: fp16 gradients underflow without loss "
+            "scaling, which fastgrpo does not do. Use model.dtype=bfloat16 (same memory and "
+            "speed, fp32's range; the default on GPUs that have it) or float32."
+        )
+    if config.train.master_weights == "off":
+        lost = rounded_away_fraction(params, config.train.learning_rate)
+        if lost > 0.5:
+            log.warning(
+                "train.master_weights=off: a step of lr %.3g is below half a bf16 ulp for %.0f%% "
+                "of the weights, so AdamW's updates to them round away; use "
+                "train.master_weights=auto (fp32 master weights) or a larger learning rate",
+                config.train.learning_rate,
+                100 * lost,
+            )
 
 
 def check_run_dir(config: Config, resume: bool) -> Path:

@@ -1,4 +1,4 @@
-"""AdamW (fused on CUDA) and the learning-rate schedule."""
+"""The optimizer step (AdamW, fused on CUDA, over fp32 masters of bf16 weights) and the schedule."""
 
 from __future__ import annotations
 
@@ -6,21 +6,81 @@ import math
 
 import torch
 
-
-def build_optimizer(model, *, learning_rate, weight_decay, betas, eps) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Biases and norm weights (1-D) take no weight decay, as in common practice.
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    fused = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None)
+from fastgrpo.train.precision import MasterWeights, wants_masters
 
 
-def build_scheduler(optimizer, *, kind: str, warmup_steps: int, total_steps: int):
+class ModelOptimizer:
+    """AdamW over a model's trainable parameters, or over their fp32 masters (`precision.py`).
+
+    `zero_grad`, then backward passes, then `step`: the same calls with or without masters.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        learning_rate: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        master_weights: str = "auto",
+    ):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad is off)")
+        self.masters = (
+            MasterWeights(self.params) if wants_masters(master_weights, self.params) else None
+        )
+        stepped = self.masters.masters if self.masters else self.params
+        # Biases and norm weights (1-D) take no weight decay, as in common practice.
+        groups = [
+            {"params": [p for p in stepped if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in stepped if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = all(p.is_cuda for p in stepped)
+        self.adamw = torch.optim.AdamW(
+            groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
+        )
+        self._stepped = stepped
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self, max_grad_norm: float) -> torch.Tensor | None:
+        """Clip the gradients (max_grad_norm > 0) and step AdamW; the gradient norm before
+        clipping as a 0-d tensor on the device (None when not clipping or nothing had a gradient)."""
+        if self.masters is not None and not self.masters.load_gradients():
+            return None
+        norm = None
+        if max_grad_norm > 0:
+            grads = [p for p in self._stepped if p.grad is not None]
+            if grads:
+                norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
+        self.adamw.step()
+        if self.masters is not None:
+            self.masters.release_gradients()
+            self.masters.refresh()
+        return norm
+
+    def state_dict(self) -> dict:
+        state = {"adamw": self.adamw.state_dict()}
+        if self.masters is not None:
+            state["master_weights"] = self.masters.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "adamw" not in state:  # a checkpoint from before master weights: AdamW's own state
+            state = {"adamw": state}
+        self.adamw.load_state_dict(state["adamw"])
+        if self.masters is not None and "master_weights" in state:
+            self.masters.load_state_dict(state["master_weights"])
+        # else: no saved masters; they were copied from the loaded model's weights already
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps: int, total_steps: int
+):
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:
             return (step + 1) / warmup_steps

@@ -176,7 +176,8 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
     """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics.
 
     `timer` gets the phases reference, old_logprobs, update (forward and backward passes) and
-    optimizer (gradient clipping, AdamW and schedule steps, summed over the optimizer steps).
+    optimizer (gradient clipping, AdamW, the bf16 refresh from fp32 masters and schedule steps,
+    summed over the optimizer steps).
     """
     a, t = config.algo, config.train
     model, ref_model, optimizer, scheduler = (
@@ -223,7 +224,7 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
     with timer("update"):
         for _ in range(t.num_iterations):
             for micro, num_sequences, num_tokens in minis:
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()
                 for mb in micro:
                     step_loss = fused_micro_batch_loss if fused else micro_batch_loss
                     loss, parts = step_loss(config, model, mb, num_sequences, num_tokens, settings)
@@ -235,7 +236,8 @@ def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: 
                     for name, value in parts.items():  # detached 0-d tensors
                         totals[name] = totals.get(name, 0.0) + value.float() * tokens
                 with timer("optimizer"):
-                    norm = _optimizer_step(model, optimizer, scheduler, t.max_grad_norm)
+                    norm = optimizer.step(t.max_grad_norm)
+                    scheduler.step()
                 if norm is not None:
                     grad_norms.append(norm)
     names = list(totals)
@@ -286,19 +288,6 @@ def _score(model, micro: list[MicroBatch], config: Config, fused: bool) -> list[
         for mb, part in zip(group, logp.split([mb.advantages.shape[0] for mb in group])):
             out.append(part[:, : mb.rollout.completion_ids.shape[1]])
     return out
-
-
-def _optimizer_step(model, optimizer, scheduler, max_grad_norm: float) -> torch.Tensor | None:
-    """Clip the gradients (max_grad_norm > 0), step AdamW and the schedule; the gradient norm,
-    a 0-d tensor on the device (read with the other metrics, so the host does not wait here)."""
-    norm = None
-    if max_grad_norm > 0:
-        params = [p for p in model.parameters() if p.grad is not None]
-        if params:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    return norm
 
 
 def _micro_batches(

@@ -1,0 +1,355 @@
+"""Learning against TRL on a real model: held-out accuracy before and after the default job.
+
+The job is the quick start's (`fastgrpo train` with its defaults: SmolLM2-135M-Instruct on the
+arithmetic task, 30 GRPO steps of 4 prompts x 8 samples, lr 1e-5), evaluated greedily on the
+first 200 held-out problems every 10 steps by fastgrpo's own evaluator, the same for every run.
+
+- fastgrpo runs with its default settings for the device (on a GPU: bf16 weights stepped through
+  fp32 master weights), in this process: first a cold run (seed 0: Triton compiles its kernels),
+  then one run per seed, warm.
+- TRL's GRPOTrainer (when `trl` and `datasets` import) runs the same settings, prompts, reward
+  and evaluation with fp32 parameters, one run per seed.
+
+Training time is the sum of the 30 steps' times (rollout, reward, update), evaluations left out.
+Prints a table, then one JSON line; `--out` receives the JSON and an accuracy-against-time PNG
+(matplotlib; `--plot RESULT.json` redraws a PNG from a saved result).
+
+    python benchmarks/bench_learning.py --model SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.config import load_config
+from fastgrpo.models import stop_token_ids
+from fastgrpo.models.loading import load_tokenizer, resolve_device, resolve_dtype, resolve_model
+from fastgrpo.rewards import RewardSet, math_accuracy
+from fastgrpo.train import run_training
+from fastgrpo.train.evaluate import evaluate
+from fastgrpo.train.loop import build_task_data
+
+
+def job_overrides(args, seed: int) -> list[str]:
+    """The default job, evaluated on args.eval_problems problems every args.eval_every steps."""
+    return [
+        f"model.name={args.model}",
+        f"model.device={args.device}",
+        f"train.seed={seed}",
+        f"train.steps={args.steps}",
+        f"eval.num_problems={args.eval_problems}",
+        f"eval.every_steps={args.eval_every}",
+        "run.progress=false",
+        "run.save_every=0",
+    ] + list(args.set)
+
+
+def fastgrpo_precision(args, seed: int) -> str:
+    config = load_config(overrides=job_overrides(args, seed))
+    dtype = resolve_dtype(config.model.dtype, resolve_device(config.model.device))
+    masters = dtype != torch.float32 and config.train.master_weights != "off"
+    return str(dtype).removeprefix("torch.") + (" + fp32 master weights" if masters else "")
+
+
+def run_fastgrpo(args, seed: int, out_dir: Path) -> dict:
+    start = time.perf_counter()
+    result = run_training(None, overrides=job_overrides(args, seed) + [f"run.output_dir={out_dir}"])
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "time/step" in r]
+    evals = {r["step"]: r["accuracy"] for r in records if r.get("kind") == "eval"}
+    elapsed, curve = 0.0, [(0.0, evals[0])]
+    for record in steps:
+        elapsed += record["time/step"]
+        if record["step"] in evals:
+            curve.append((elapsed, evals[record["step"]]))
+    return {
+        "method": "fastgrpo",
+        "seed": seed,
+        "before": result.eval_before["accuracy"],
+        "after": result.eval_after["accuracy"],
+        "train_seconds": elapsed,
+        "wall_seconds": wall,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in steps),
+        "curve": curve,
+        "precision": fastgrpo_precision(args, seed),
+    }
+
+
+def run_trl(args, seed: int, out_dir: Path) -> dict:
+    """TRL's GRPOTrainer on the same job with fp32 parameters; fastgrpo's evaluator."""
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fastgrpo.data import render_prompt
+
+    config = load_config(overrides=job_overrides(args, seed))
+    task = build_task_data(config)
+    source = resolve_model(args.model)  # TRL loads the policy itself, from this folder
+    tokenizer = load_tokenizer(source)
+    model_dir = source.path
+    problems = task.eval[: args.eval_problems]
+    rewards = RewardSet.from_specs(config.rewards)
+    r, t, a = config.rollout, config.train, config.algo
+    device = torch.device(args.device if args.device != "auto" else "cuda")
+
+    class Clock(TrainerCallback):
+        """Step ends and evaluations; the evaluations' time is left out of the training time."""
+
+        def __init__(self):
+            self.elapsed = 0.0
+            self.curve: list[tuple[float, float]] = []
+            self.last = None
+
+        def evaluate(self, trainer_model) -> float:
+            trainer_model.eval()
+            scores = evaluate(
+                trainer_model,
+                tokenizer,
+                problems,
+                rewards=rewards,
+                stop_ids=stop_token_ids(tokenizer, trainer_model),
+                system_prompt=config.task.system_prompt,
+                max_new_tokens=config.eval.max_new_tokens or r.max_new_tokens,
+                batch_size=config.eval.batch_size,
+                seed=seed,
+            )
+            trainer_model.train()
+            return scores["accuracy"]
+
+        def on_train_begin(self, _args, state, control, model=None, **__):
+            self.curve.append((0.0, self.evaluate(model)))
+            torch.cuda.synchronize(device)
+            self.last = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, model=None, **__):
+            torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            self.elapsed += now - self.last
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                self.curve.append((self.elapsed, self.evaluate(model)))
+            torch.cuda.synchronize(device)
+            self.last = time.perf_counter()
+
+    prompts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in task.train]
+    answers = [ex.columns["answer"] for ex in task.train]
+    trl_config = GRPOConfig(
+        output_dir=str(out_dir),
+        model_init_kwargs={"dtype": "float32"},
+        per_device_train_batch_size=r.prompts_per_step * r.num_generations,
+        gradient_accumulation_steps=1,
+        num_generations=r.num_generations,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        num_iterations=t.num_iterations,
+        beta=a.beta,
+        epsilon=a.epsilon_low,
+        loss_type=a.loss_type,
+        scale_rewards=a.scale_rewards,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_eps,
+        max_grad_norm=t.max_grad_norm,
+        gradient_checkpointing=False,
+        bf16=False,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+    )
+    clock = Clock()
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def accuracy(prompts, completions, answer, **_):
+        return math_accuracy(prompts, completions, answer)
+
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[accuracy],
+        args=trl_config,
+        train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    import trl
+
+    row = {
+        "method": f"TRL {trl.__version__} GRPOTrainer, fp32",
+        "seed": seed,
+        "before": clock.curve[0][1],
+        "after": clock.curve[-1][1],
+        "train_seconds": clock.elapsed,
+        "wall_seconds": wall,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "curve": clock.curve,
+        "precision": "float32",
+    }
+    del trainer
+    torch.cuda.empty_cache()
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    return {
+        "before_mean": statistics.mean(r["before"] for r in rows),
+        "after_mean": statistics.mean(r["after"] for r in rows),
+        "train_seconds_mean": statistics.mean(r["train_seconds"] for r in rows),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    colors = {"fastgrpo": "tab:blue"}
+    for row in result["runs"]:
+        if row.get("cold"):
+            continue
+        name = "fastgrpo" if row["method"] == "fastgrpo" else "TRL (fp32)"
+        color = colors.get(row["method"], "tab:orange")
+        times, accuracies = zip(*row["curve"])
+        axes.plot(
+            times,
+            accuracies,
+            marker="o",
+            color=color,
+            alpha=0.8,
+            label=name if row["seed"] == result["seeds"][0] else None,
+        )
+    axes.set_xscale("symlog", linthresh=1.0)
+    axes.set_xlabel("training time, s (evaluation left out; symlog scale)")
+    axes.set_ylabel(f"held-out accuracy ({result['eval_problems']} problems, greedy)")
+    axes.set_title(
+        f"SmolLM2-135M-Instruct, arithmetic, {result['steps']} GRPO steps, "
+        f"seeds {result['seeds']}\n{result['gpu']}",
+        fontsize=9,
+    )
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def commit() -> str:
+    if os.environ.get("FASTGRPO_COMMIT"):  # a copy of the tree without .git (the lent GPU)
+        return os.environ["FASTGRPO_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"\n{'method':<34} {'seed':>5} {'before':>7} {'after':>7} {'train s':>8} "
+        f"{'wall s':>7} {'peak GiB':>9}"
+    )
+    for row in result["runs"]:
+        seed = f"{row['seed']}" + (" cold" if row.get("cold") else "")
+        print(
+            f"{row['method']:<34} {seed:>5} {row['before']:>7.3f} {row['after']:>7.3f} "
+            f"{row['train_seconds']:>8.1f} {row['wall_seconds']:>7.1f} "
+            f"{row['peak_memory_gib']:>9.2f}"
+        )
+    for name, summary in result["summary"].items():
+        print(
+            f"{name}: mean before {summary['before_mean']:.3f}, after "
+            f"{summary['after_mean']:.3f}, training {summary['train_seconds_mean']:.1f} s"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--set", action="append", default=[], help="extra fastgrpo overrides")
+    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_learning"))
+    parser.add_argument("--plot", type=Path, help="redraw the PNG of a saved result JSON")
+    args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    cold = run_fastgrpo(args, args.seeds[0], args.out / "fastgrpo-cold")
+    runs.append({**cold, "cold": True})
+    for seed in args.seeds:
+        runs.append(run_fastgrpo(args, seed, args.out / f"fastgrpo-s{seed}"))
+        print(
+            f"fastgrpo seed {seed}: {runs[-1]['before']:.3f} -> {runs[-1]['after']:.3f}", flush=True
+        )
+    if not args.no_trl:
+        try:
+            import datasets  # noqa: F401
+            import trl  # noqa: F401
+        except ImportError as error:
+            print(f"note: TRL left out ({error}); `pip install trl datasets` to compare")
+        else:
+            for seed in args.seeds:
+                runs.append(run_trl(args, seed, args.out / f"trl-s{seed}"))
+                print(
+                    f"TRL seed {seed}: {runs[-1]['before']:.3f} -> {runs[-1]['after']:.3f}",
+                    flush=True,
+                )
+    warm = [r for r in runs if not r.get("cold")]
+    summary = {
+        method: summarize([r for r in warm if r["method"] == method])
+        for method in dict.fromkeys(r["method"] for r in warm)
+    }
+    summary["fastgrpo"]["cold_train_seconds"] = cold["train_seconds"]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    result = {
+        "benchmark": "bench_learning",
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "commit": commit(),
+        "steps": args.steps,
+        "eval_problems": args.eval_problems,
+        "seeds": args.seeds,
+        "overrides": args.set,
+        "runs": runs,
+        "summary": summary,
+    }
+    print_table(result)
+    (args.out / "bench_learning.json").write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, args.out / "bench_learning.png")
+    except ImportError:
+        print("note: no matplotlib; redraw later with --plot")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Mixed precision that learns: compute in bf16, step fp32 master weights with fp32 moments.
+
+Why: AdamW moves each weight by about the learning rate. At lr 1e-5 that is below half a bf16 ulp
+for most weights (the ulp is 1.2e-4 at |w| = 0.03), so an update applied to bf16 parameters in
+place rounds away: the default job on a GPU went 0.265 -> 0.29 held-out accuracy in 30 steps,
+where the same job in fp32 reached 0.51 (issue 26). torch's AdamW also keeps its moments in the
+parameter's dtype, so a bf16 model had bf16 moments too.
+
+How: the model keeps its bf16 (or fp16) parameters; the rollout engine and the kernels read those
+very tensors, zero-copy. AdamW steps fp32 copies of them (the masters) and keeps its moments
+beside the masters, in fp32. Each optimizer step:
+  1. casts the gradients autograd accumulated on the bf16 parameters into fp32 gradient buffers
+     that exist only during the step (one multi-tensor copy; the buffers are views of one flat
+     allocation whose storage is freed again afterwards, so they add nothing to the peak memory of
+     the backward passes);
+  2. clips the fp32 gradients and steps AdamW on the masters;
+  3. refreshes the bf16 parameters from the masters: one multi-tensor copy that rounds to nearest
+     (`torch._foreach_copy_`), no per-parameter Python loop.
+Gradients accumulate across micro-batches in bf16, in autograd (benchmarks/NOTES.md, issue 26,
+has the measurement behind that choice).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("auto", "fp32", "off")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored bits, the leading 1 not counted
+
+
+class MasterWeights:
+    """fp32 masters of a model's low-precision parameters, for the optimizer to step instead."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        if not params:
+            raise ValueError("MasterWeights needs at least one parameter")
+        self.params = list(params)  # the model's bf16/fp16 parameters, read by every kernel
+        # nn.Parameter: a leaf the optimizer accepts; its .grad is a view set up once below.
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        sizes = [m.numel() for m in self.masters]
+        flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.masters[0].device)
+        for master, view in zip(self.masters, flat.split(sizes)):
+            master.grad = view.view_as(master)
+        self._grad_storage = flat.untyped_storage()
+        self._grad_bytes = self._grad_storage.nbytes()
+        self._grad_storage.resize_(0)  # allocated only while a step runs
+        self._grads = [m.grad for m in self.masters]
+
+    def load_gradients(self) -> bool:
+        """Cast the parameters' gradients into the masters' fp32 gradients; False when no
+        parameter has one (nothing to step). A parameter without a gradient gets none: AdamW
+        leaves it alone, as it would the parameter itself."""
+        grads = [p.grad for p in self.params]
+        present = [g is not None for g in grads]
+        if not any(present):
+            return False
+        self._grad_storage.resize_(self._grad_bytes)
+        if all(present):
+            torch._foreach_copy_(self._grads, grads)
+        else:  # rare (a parameter outside this loss): the slow path
+            for master, view, grad in zip(self.masters, self._grads, grads):
+                master.grad = None if grad is None else view.copy_(grad)
+        return True
+
+    def release_gradients(self) -> None:
+        """Free the fp32 gradient buffers (after the optimizer step)."""
+        for master, view in zip(self.masters, self._grads):
+            if master.grad is None:  # put back what load_gradients' slow path took away
+                master.grad = view
+        self._grad_storage.resize_(0)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Round the masters into the model's parameters, in place (the tensors the engine reads)."""
+        torch._foreach_copy_(self.params, self.masters)
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [m.detach() for m in self.masters]
+
+    @torch.no_grad()
+    def load_state_dict(self, masters: list[torch.Tensor]) -> None:
+        if len(masters) != len(self.masters) or any(
+            a.shape != b.shape for a, b in zip(masters, self.masters)
+        ):
+            raise ValueError(
+                "the checkpoint's master weights do not match this model's parameters; "
+                "resume with the model and config the run was started with"
+            )
+        torch._foreach_copy_(self.masters, [m.to(self.masters[0].device) for m in masters])
+        self.refresh()
+
+
+def wants_masters(mode: str, params: list[torch.Tensor]) -> bool:
+    """Whether `train.master_weights` = mode gives these parameters fp32 masters."""
+    if mode not in MODES:
+        raise ValueError(f"master_weights is {mode!r}; choose one of {', '.join(MODES)}")
+    low = any(p.dtype in LOW_PRECISION for p in params)
+    return low and mode != "off"
+
+
+@torch.no_grad()
+def rounded_away_fraction(params: list[torch.Tensor], learning_rate: float) -> float:
+    """The fraction of low-precision weights for which a step of `learning_rate` (AdamW's usual
+    step size) is below half an ulp, so that updating them in place leaves them unchanged."""
+    below, total = 0, 0
+    for p in params:
+        if p.dtype not in LOW_PRECISION:
+            continue
+        mantissa_bits = MANTISSA_BITS[p.dtype]
+        w = p.detach().float()
+        _, exponent = torch.frexp(w)  # |w| in [2^(e-1), 2^e)
+        half_ulp = torch.ldexp(torch.ones_like(w), exponent - mantissa_bits - 2)
+        below += int(((learning_rate < half_ulp) & (w != 0)).sum())
+        total += p.numel()
+    return below / total if total else 0.0
