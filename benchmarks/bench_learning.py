@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from fastgrpo.config import load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rollout import commit  # noqa: E402
+
+from fastgrpo.config import load_config  # noqa: E402
 from fastgrpo.models import stop_token_ids
 from fastgrpo.models.loading import load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from fastgrpo.rewards import RewardSet, math_accuracy
@@ -85,8 +87,9 @@ def run_fastgrpo(args, seed: int, out_dir: Path) -> dict:
     }
 
 
-def run_trl(args, seed: int, out_dir: Path) -> dict:
-    """TRL's GRPOTrainer on the same job with fp32 parameters; fastgrpo's evaluator."""
+def run_trl(args, seed: int, out_dir: Path, autocast: bool = False) -> dict:
+    """TRL's GRPOTrainer on the same job with fp32 parameters (`autocast`: its bf16 mixed
+    precision, bf16 compute over the fp32 parameters); fastgrpo's evaluator."""
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -167,7 +170,7 @@ def run_trl(args, seed: int, out_dir: Path) -> dict:
         adam_epsilon=t.adam_eps,
         max_grad_norm=t.max_grad_norm,
         gradient_checkpointing=False,
-        bf16=False,
+        bf16=autocast,
         max_steps=args.steps,
         logging_steps=1,
         save_strategy="no",
@@ -196,7 +199,8 @@ def run_trl(args, seed: int, out_dir: Path) -> dict:
     import trl
 
     row = {
-        "method": f"TRL {trl.__version__} GRPOTrainer, fp32",
+        "method": f"TRL {trl.__version__} GRPOTrainer, fp32"
+        + (" + bf16 autocast" if autocast else ""),
         "seed": seed,
         "before": clock.curve[0][1],
         "after": clock.curve[-1][1],
@@ -204,7 +208,7 @@ def run_trl(args, seed: int, out_dir: Path) -> dict:
         "wall_seconds": wall,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "curve": clock.curve,
-        "precision": "float32",
+        "precision": "float32 weights, bf16 autocast" if autocast else "float32",
     }
     del trainer
     torch.cuda.empty_cache()
@@ -230,8 +234,15 @@ def plot(result: dict, path: Path) -> None:
     for row in result["runs"]:
         if row.get("cold"):
             continue
-        name = "fastgrpo" if row["method"] == "fastgrpo" else "TRL (fp32)"
-        color = colors.get(row["method"], "tab:orange")
+        name = (
+            "fastgrpo"
+            if row["method"] == "fastgrpo"
+            else row["method"].split(" GRPO")[0]
+            + (" (bf16 autocast)" if "autocast" in row["method"] else " (fp32)")
+        )
+        color = colors.get(
+            row["method"], "tab:green" if "autocast" in row["method"] else "tab:orange"
+        )
         times, accuracies = zip(*row["curve"])
         axes.plot(
             times,
@@ -253,17 +264,6 @@ def plot(result: dict, path: Path) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-
-
-def commit() -> str:
-    if os.environ.get("FASTGRPO_COMMIT"):  # a copy of the tree without .git (the lent GPU)
-        return os.environ["FASTGRPO_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def print_table(result: dict) -> None:
@@ -294,7 +294,13 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--set", action="append", default=[], help="extra fastgrpo overrides")
-    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=("fastgrpo", "trl", "trl-autocast"),
+        default=["fastgrpo", "trl"],
+        help="trl: TRL with fp32 parameters; trl-autocast: the same under TRL's bf16 autocast",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench_learning"))
     parser.add_argument("--plot", type=Path, help="redraw the PNG of a saved result JSON")
     args = parser.parse_args()
@@ -303,32 +309,33 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
-    cold = run_fastgrpo(args, args.seeds[0], args.out / "fastgrpo-cold")
-    runs.append({**cold, "cold": True})
-    for seed in args.seeds:
-        runs.append(run_fastgrpo(args, seed, args.out / f"fastgrpo-s{seed}"))
-        print(
-            f"fastgrpo seed {seed}: {runs[-1]['before']:.3f} -> {runs[-1]['after']:.3f}", flush=True
-        )
-    if not args.no_trl:
-        try:
-            import datasets  # noqa: F401
-            import trl  # noqa: F401
-        except ImportError as error:
+    if "fastgrpo" in args.methods:
+        cold = run_fastgrpo(args, args.seeds[0], args.out / "fastgrpo-cold")
+        runs.append({**cold, "cold": True})
+        for seed in args.seeds:
+            runs.append(run_fastgrpo(args, seed, args.out / f"fastgrpo-s{seed}"))
+            print(f"fastgrpo seed {seed}: {runs[-1]['before']:.3f} -> {runs[-1]['after']:.3f}")
+    trl_methods = [m for m in args.methods if m.startswith("trl")]
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as error:
+        if trl_methods:
             print(f"note: TRL left out ({error}); `pip install trl datasets` to compare")
-        else:
-            for seed in args.seeds:
-                runs.append(run_trl(args, seed, args.out / f"trl-s{seed}"))
-                print(
-                    f"TRL seed {seed}: {runs[-1]['before']:.3f} -> {runs[-1]['after']:.3f}",
-                    flush=True,
-                )
+        trl_methods = []
+    for method in trl_methods:
+        for seed in args.seeds:
+            autocast = method == "trl-autocast"
+            runs.append(run_trl(args, seed, args.out / f"{method}-s{seed}", autocast))
+            print(f"{method} seed {seed}: {runs[-1]['before']:.3f} -> {runs[-1]['after']:.3f}")
     warm = [r for r in runs if not r.get("cold")]
     summary = {
         method: summarize([r for r in warm if r["method"] == method])
         for method in dict.fromkeys(r["method"] for r in warm)
     }
-    summary["fastgrpo"]["cold_train_seconds"] = cold["train_seconds"]
+    for row in runs:
+        if row.get("cold"):
+            summary["fastgrpo"]["cold_train_seconds"] = row["train_seconds"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
     result = {
         "benchmark": "bench_learning",

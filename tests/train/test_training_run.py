@@ -175,8 +175,9 @@ def test_training_changes_the_weights_and_a_new_run_refuses_an_existing_run_fold
     assert all(torch.equal(before[k], v) for k, v in weights(latest_checkpoint(run_dir)).items())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the fp32 masters resume too
 def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(
-    tiny_model_dir, tmp_path, monkeypatch
+    tiny_model_dir, tmp_path, monkeypatch, dtype
 ):
     reward_file = tmp_path / "interrupting.py"
     reward_file.write_text(INTERRUPTING_REWARD)
@@ -184,7 +185,13 @@ def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(
         f"[math_accuracy, '{reward_file}:digit_share', "
         f"{{function: '{reward_file}:interrupt_after', weight: 0.0}}]"
     )
-    common = {"rewards": rewards, "train.lr_scheduler": "cosine", "train.warmup_steps": 1}
+    common = {
+        "rewards": rewards,
+        "train.lr_scheduler": "cosine",
+        "train.warmup_steps": 1,
+        "train.learning_rate": 1e-5,  # below half a bf16 ulp: only the fp32 masters record it
+        "model.dtype": dtype,
+    }
 
     straight = run_training(
         None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "a", steps=3, **common)
