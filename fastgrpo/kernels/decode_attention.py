@@ -53,8 +53,8 @@ import torch
 
 from fastgrpo.kernels import decode_attention_gluon, pdl
 from fastgrpo.kernels.kv_write import check_cache_write
-from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, multiprocessors, triton
 from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
+from fastgrpo.kernels.support import LOG2E, _interpreting, multiprocessors, triton
 
 if triton is not None:
     import triton.language as tl

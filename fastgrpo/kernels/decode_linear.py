@@ -49,13 +49,18 @@ import torch.nn.functional as F
 
 from fastgrpo.kernels import decode_linear_gluon, pdl
 from fastgrpo.kernels.decode_attention import ProjectedParts
-from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, tma_readable, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
+from fastgrpo.kernels.support import (
+    TensorDescriptor,
+    _interpreting,
+    _tma_ready,
+    tma_readable,
+    triton,
+)
 from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 

@@ -30,19 +30,14 @@ from fastgrpo.algo.kl import kl_penalty
 from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
 from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
-from fastgrpo.kernels.lm_head_stats import (
-    ChunkStats,
-    _interpreting,
-    aligned_empty,
-    lm_head_stats_triton,
-    triton,
-)
+from fastgrpo.kernels.lm_head_stats import ChunkStats, lm_head_stats_triton
+from fastgrpo.kernels.support import _interpreting, aligned_empty, triton
 from fastgrpo.kernels.token_loss import token_loss_and_grads
 
 if triton is not None:
     import triton.language as tl
 
-    from fastgrpo.kernels.lm_head_stats import _LN2, _LOG2E
+    from fastgrpo.kernels.support import _LN2, _LOG2E
 
 TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 # one chunk of bf16 (rows, V) values: ~2k rows at a 152k vocabulary
