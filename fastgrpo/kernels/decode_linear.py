@@ -54,6 +54,7 @@ from fastgrpo.kernels.support import (
     TensorDescriptor,
     _interpreting,
     _tma_ready,
+    kernel_dtype,
     tma_readable,
     triton,
 )
@@ -214,8 +215,9 @@ def _decode_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.dim() == 2
         and x.shape[0] <= MAX_ROWS
         and weight.numel() <= MAX_WEIGHT_ELEMENTS
-        and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in given)
+        and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in given)
         and tma_readable(weight)  # read in place: the engine's weights are the trainer's
+        and kernel_dtype("decode_linear", x.dtype, KERNEL_DTYPES)
     )
 
 

@@ -572,8 +572,10 @@ def _dw_in_fp32(n_chunks, dtype) -> bool:
 
 def _chunk_rows(weight, chunk_bytes) -> int:
     """Rows per chunk for a logits budget: a multiple of 512 rows where it can be (whole waves of
-    the statistics kernel: 4 row blocks x SMs/4 vocabulary splits), else of 128."""
-    rows = chunk_bytes // (2 * weight.shape[0])
+    the statistics kernel: 4 row blocks x SMs/4 vocabulary splits), else of 128. The chunk's
+    buffer is bf16, or fp32 for an fp32 weight (`_FusedLMHeadLoss.forward`)."""
+    itemsize = 4 if weight.dtype == torch.float32 else 2
+    rows = chunk_bytes // (itemsize * weight.shape[0])
     return max(128, rows // 512 * 512 if rows >= 512 else rows // 128 * 128)
 
 
