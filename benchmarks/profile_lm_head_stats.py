@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
+from fastgrpo.kernels.support import aligned_empty  # noqa: E402
 
 
 def main():
@@ -35,7 +36,7 @@ def main():
     hidden = torch.randn(n, h, device="cuda").bfloat16()
     weight = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16()
     targets = torch.randint(0, v, (n,), device="cuda")
-    probs = ops.aligned_empty(n, v, device="cuda", dtype=torch.bfloat16) if args.store else None
+    probs = aligned_empty(n, v, device="cuda", dtype=torch.bfloat16) if args.store else None
     for _ in range(args.calls):
         if args.store:  # the training path: also stores the relative probabilities
             ops.ChunkStats(hidden, weight, targets, 1.0, probs)

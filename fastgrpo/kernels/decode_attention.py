@@ -53,8 +53,15 @@ import torch
 
 from fastgrpo.kernels import decode_attention_gluon, pdl
 from fastgrpo.kernels.kv_write import check_cache_write
-from fastgrpo.kernels.lm_head_stats import LOG2E, _interpreting, multiprocessors, triton
 from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
+from fastgrpo.kernels.support import (
+    LOG2E,
+    _interpreting,
+    multiprocessors,
+    reference_notice,
+    shared_memory,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -314,22 +321,32 @@ if triton is not None:
         tl.store(out_ptr + r * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def _blocks(rows: int = 0, nkv: int = 1, d: int = 128) -> tuple[int, int, int]:
+def _blocks(rows: int = 0, nkv: int = 1, d: int = 128, itemsize: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Small blocks in the interpreter, so that tiny test
     caches still span several blocks and partial ones. On a GPU, 64-key blocks, 2 stages; but
-    when rows x kv heads are at most one program per multiprocessor and d <= 64, 256-key blocks
-    with 3 stages, which take a 0.5B decode step's keys (prompt 128 + up to 256) in one or two
-    iterations and, through `_num_splits`, with no key split and no merge kernel: on an H100 at 64
-    rows 6.95 us alone with the RoPE against 8.70, and the step 0.985 ms against 0.998 (three
-    pairs, benchmarks/results/rollout_rope_attention_h100_v1.txt). Their 130 KB of shared memory
-    would leave one program per multiprocessor, so more programs keep the small blocks."""
+    when rows x kv heads are at most one program per multiprocessor, d <= 64 and they fit shared
+    memory, 256-key blocks with 3 stages, which take a 0.5B decode step's keys (prompt 128 + up
+    to 256) in one or two iterations and, through `_num_splits`, with no key split and no merge
+    kernel: on an H100 at 64 rows 6.95 us alone with the RoPE against 8.70, and the step 0.985 ms
+    against 0.998 (three pairs, benchmarks/results/rollout_rope_attention_h100_v1.txt). Their 130
+    KB of shared memory would leave one program per multiprocessor, so more programs keep the
+    small blocks. In fp32 (`itemsize` 4) they would take 276 KB, more than the H100's 227."""
     if _interpreting():
         return 16, 4, 1
     if len(BLOCKS) == 3:
         return BLOCKS
+    large = (256, 4, 3)
     if d <= 64 and 0 < rows * nkv <= multiprocessors():
-        return 256, 4, 3
+        if _shared_bytes(*large, d, itemsize) <= shared_memory():
+            return large
     return 64, 4, 2
+
+
+def _shared_bytes(block_n: int, warps: int, stages: int, d: int, itemsize: int) -> int:
+    """A bound on the kernel's shared memory for `_blocks`' (block_n, warps, stages): Triton
+    keeps stages - 1 key blocks and as many value blocks in flight, plus less than one more block
+    for its layout conversions (20 KB at 256 fp32 keys of d 64, which took 276 KB in all)."""
+    return (2 * max(stages - 1, 1) + 1) * block_n * d * itemsize
 
 
 def _num_splits(rows: int, nkv: int, keys: int, block_n: int, device: torch.device) -> int:
@@ -430,7 +447,7 @@ def decode_attention_triton(
             t.float() for t in (q, prompt_k, prompt_v, k_new, v_new, cos, sin)
         )
         comp_k, comp_v = comp_k.float(), comp_v.float()
-    block_n, warps, stages = blocks or _blocks(B, nkv, d)
+    block_n, warps, stages = blocks or _blocks(B, nkv, d, q.element_size())
     if splits is None:
         splits = _num_splits(B, nkv, Lp + Tc, block_n, q.device)
     out = torch.empty(B, nh, d, dtype=out_dtype, device=q.device)
@@ -529,7 +546,21 @@ def _kernel_serves(q, prompt_k) -> bool:
         and prompt_k.dtype == q.dtype
         and d >= 16
         and d & (d - 1) == 0
+        and _fits(q, d)
     )
+
+
+def _fits(q, d: int) -> bool:
+    """Whether the kernel's small blocks fit a program's shared memory on q's device (fp32 keys
+    of d 256 take ~190 KB: an H100 has room, a 99 KB consumer GPU not); else the reference
+    serves, and says so once."""
+    itemsize = q.element_size()
+    need = _shared_bytes(*_blocks(0, 1, d, itemsize), d, itemsize)
+    if _interpreting() or need <= shared_memory(q.device):
+        return True
+    dtype = str(q.dtype).removeprefix("torch.")
+    reference_notice("decode attention", f"for {dtype} at head dim {d} (it exceeds shared memory)")
+    return False
 
 
 def decode_attention(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step):

@@ -56,10 +56,16 @@ import os
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import LOG2E, multiprocessors
-from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, gluon, warn_not_compiled
+from fastgrpo.kernels.support import (
+    LOG2E,
+    _hopper,
+    _layout,
+    gluon,
+    multiprocessors,
+    warn_not_compiled,
+)
 
-if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer
+if gluon is not None:  # support found triton's Gluon layer
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma

@@ -49,13 +49,19 @@ import torch.nn.functional as F
 
 from fastgrpo.kernels import decode_linear_gluon, pdl
 from fastgrpo.kernels.decode_attention import ProjectedParts
-from fastgrpo.kernels.lm_head_stats import _interpreting, _tma_ready, tma_readable, triton
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
+from fastgrpo.kernels.support import (
+    TensorDescriptor,
+    _interpreting,
+    _tma_ready,
+    kernel_dtype,
+    tma_readable,
+    triton,
+)
 from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 
@@ -209,8 +215,9 @@ def _decode_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.dim() == 2
         and x.shape[0] <= MAX_ROWS
         and weight.numel() <= MAX_WEIGHT_ELEMENTS
-        and all(t.dtype in KERNEL_DTYPES and t.stride(-1) == 1 for t in given)
+        and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in given)
         and tma_readable(weight)  # read in place: the engine's weights are the trainer's
+        and kernel_dtype("decode_linear", x.dtype, KERNEL_DTYPES)
     )
 
 

@@ -45,11 +45,17 @@ import os
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import multiprocessors, tma_readable
-from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, gluon, warn_not_compiled
+from fastgrpo.kernels.support import (
+    _hopper,
+    _layout,
+    gluon,
+    multiprocessors,
+    tma_readable,
+    triton,
+    warn_not_compiled,
+)
 
-if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer; this kernel targets 3.6
-    import triton
+if gluon is not None:  # support found triton's Gluon layer; this kernel targets 3.6
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.extra import libdevice
     from triton.experimental.gluon.language.nvidia.hopper import (

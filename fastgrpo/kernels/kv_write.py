@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import triton
+from fastgrpo.kernels.support import triton
 
 if triton is not None:
     import triton.language as tl

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels.lm_head_stats import (
+from fastgrpo.kernels.support import (
     TensorDescriptor,
     _interpreting,
     _tma_ready,

@@ -74,12 +74,20 @@ def lm_head_logprob(
     """Per-row (logp, entropy | None). On CUDA without autograd (scoring: reference and old
     log-probs, evaluation) the Triton statistics kernel runs, with no [N, V] logits; otherwise the
     reference. `fused` forces the choice (True on CPU needs TRITON_INTERPRET=1). Training with
-    the fused loss goes through `lm_head_grpo_loss`."""
-    from fastgrpo.kernels.lm_head_stats import lm_head_stats_triton, triton
+    the fused loss goes through `lm_head_grpo_loss`. In fp32 the reference serves unless `fused`
+    asks for the kernel: the kernel's IEEE fp32 products run on the CUDA cores, several times
+    slower than cuBLAS at the same precision."""
+    from fastgrpo.kernels.lm_head_stats import lm_head_stats_triton
+    from fastgrpo.kernels.support import kernel_dtype, triton
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if fused is None:
-        fused = triton is not None and hidden.is_cuda and hidden.dtype == weight.dtype
+        fused = (
+            triton is not None
+            and hidden.is_cuda
+            and hidden.dtype == weight.dtype
+            and kernel_dtype("the LM-head statistics", hidden.dtype)
+        )
     if fused and not needs_grad:
         logp, entropy, _ = lm_head_stats_triton(hidden, weight, targets, temperature)
         return logp, entropy if with_entropy else None

@@ -46,12 +46,20 @@ import os
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import LN2, LOG2E, multiprocessors, tma_readable
-from fastgrpo.kernels.lm_head_stats_gluon import _hopper, _layout, gluon, warn_not_compiled
 from fastgrpo.kernels.sample_tokens import check_sampling_args
+from fastgrpo.kernels.support import (
+    LN2,
+    LOG2E,
+    _hopper,
+    _layout,
+    gluon,
+    multiprocessors,
+    tma_readable,
+    triton,
+    warn_not_compiled,
+)
 
-if gluon is not None:  # lm_head_stats_gluon found triton's Gluon layer; this kernel targets 3.6
-    import triton
+if gluon is not None:  # support found triton's Gluon layer; this kernel targets 3.6
     import triton.language as tl
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (

@@ -18,25 +18,23 @@ Reference: `lm_head_stats_ref` (below) computes the same statistics with plain P
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from fastgrpo.kernels import lm_head_stats_gluon
+from fastgrpo.kernels.support import (
+    LN2,
+    LOG2E,
+    TensorDescriptor,
+    _interpreting,
+    _tma_ready,
+    multiprocessors,
+    triton,
+)
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # CPU-only installs: the reference path serves
-    triton = None
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-if triton is not None:  # the same, for kernels: a global a kernel reads must be a constexpr
-    _LOG2E = tl.constexpr(LOG2E)
-    _LN2 = tl.constexpr(LN2)
+    from fastgrpo.kernels.support import _LN2
 
 
 def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
@@ -258,47 +256,6 @@ if triton is not None:
         tl.store(m_ptr + out, running_max, mask=row_ok)
         tl.store(s_ptr + out, running_sum, mask=row_ok)
         tl.store(pz_ptr + out, running_pz * scale2, mask=row_ok)
-
-
-def multiprocessors(device: torch.device | int | None = None) -> int:
-    """The SM count of a CUDA device (None: the current one), cached: `get_device_properties`
-    costs tens of microseconds of host time, and launchers that size their grids by it run
-    thousands of times per training step."""
-    index = device.index if isinstance(device, torch.device) else device
-    return _multiprocessors(torch.cuda.current_device() if index is None else index)
-
-
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def aligned_empty(rows, cols, **kwargs):
-    """An uninitialised (rows, cols) tensor whose rows start on 16 bytes (a view of a wider buffer
-    when cols * itemsize is not a multiple of 16), as bulk tensor copies (TMA) need."""
-    itemsize = torch.empty((), dtype=kwargs.get("dtype")).element_size()
-    align = 16 // itemsize
-    return torch.empty(rows, -(-cols // align) * align, **kwargs)[:, :cols]
-
-
-def tma_readable(x) -> bool:
-    """Whether a bulk tensor copy (TMA) can read the 2-D x where it is: row-major, rows and base
-    16-byte aligned."""
-    return (
-        x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
-    )
-
-
-def _tma_ready(x):
-    """x itself when `tma_readable`, else a copy into an `aligned_empty` buffer (TMA reads past
-    its columns as zeros)."""
-    if tma_readable(x):
-        return x
-    return aligned_empty(*x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _blocks(H: int, itemsize: int = 2) -> tuple[int, ...]:

@@ -30,15 +30,13 @@ Triton kernel; the Triton kernel itself is the CPU (interpreter) and non-Hopper 
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 
 import torch
 
-try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written against triton 3.6
-    import triton
-    from triton.experimental import gluon
+from fastgrpo.kernels.support import _hopper, _layout, gluon, triton, warn_not_compiled
+
+if gluon is not None:  # support found triton's Gluon layer; this kernel was written against 3.6
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
@@ -48,8 +46,6 @@ try:  # Gluon (triton >= 3.5's experimental layer); this kernel was written agai
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # CPU-only installs, or a triton without this Gluon API
-    gluon = None
 
 # FASTGRPO_GLUON=0 keeps the training pass on the Triton kernel (to compare)
 ENABLED = os.environ.get("FASTGRPO_GLUON", "1") != "0"
@@ -222,29 +218,6 @@ def applies(hidden: torch.Tensor, probs_out: torch.Tensor, config: tuple, flags)
         and probs_out.dtype == torch.bfloat16
         and tuple(config) == CONFIG
         and _hopper(hidden.device.index)
-    )
-
-
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    """Whether the CUDA device is a Hopper GPU (sm_90), cached: the capability query reads the
-    device properties, tens of microseconds, and `applies` runs for every chunk of a training
-    call."""
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
-def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-
-
-def warn_not_compiled(kernel: str, error: Exception, instead: str) -> None:
-    """The one warning a Gluon kernel's launcher gives when the kernel does not compile with the
-    installed triton (the Gluon API it was written against, 3.6, has moved): which kernel, why,
-    and what serves instead. The launcher also sets its module's `_failed`, so it warns once."""
-    warnings.warn(
-        f"{kernel} did not compile with triton {triton.__version__} ({type(error).__name__}: "
-        f"{str(error).splitlines()[0][:200]}); using {instead} instead",
-        stacklevel=3,
     )
 
 

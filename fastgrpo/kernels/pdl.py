@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.support import _interpreting, triton
 
 ENABLED = os.environ.get("FASTGRPO_PDL", "1") != "0"
 

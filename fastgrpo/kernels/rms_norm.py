@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import _interpreting, multiprocessors, triton
+from fastgrpo.kernels.support import _interpreting, multiprocessors, triton
 
 if triton is not None:
     import triton.language as tl

@@ -37,7 +37,7 @@ import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.kv_write import check_cache_write, write_kv_ref
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.support import _interpreting, triton
 
 if triton is not None:
     import triton.language as tl

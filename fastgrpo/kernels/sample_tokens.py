@@ -45,13 +45,13 @@ import math
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import LN2, LOG2E, _interpreting, triton
+from fastgrpo.kernels.support import LN2, LOG2E, _interpreting, triton
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from fastgrpo.kernels.lm_head_stats import _LN2, _LOG2E
+    from fastgrpo.kernels.support import _LN2, _LOG2E
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.support import _interpreting, triton
 
 if triton is not None:
     import triton.language as tl

@@ -24,7 +24,7 @@ import os
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.support import _interpreting, triton
 
 if triton is not None:
     import triton.language as tl

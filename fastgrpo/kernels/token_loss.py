@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from fastgrpo.algo.kl import KL_ESTIMATORS
-from fastgrpo.kernels.lm_head_stats import _interpreting, triton
+from fastgrpo.kernels.support import _interpreting, triton
 
 if triton is not None:
     import triton.language as tl

@@ -42,9 +42,9 @@ from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.decode_attention import ProjectedParts
-from fastgrpo.kernels.lm_head_stats import triton
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
 from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
+from fastgrpo.kernels.support import triton
 from fastgrpo.kernels.swiglu import silu_mul, silu_mul_linear_train
 from fastgrpo.kernels.token_inputs import embed_and_angles
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys

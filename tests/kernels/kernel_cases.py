@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrpo.kernels.lm_head_stats import triton
+from fastgrpo.kernels.support import triton
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -267,3 +267,49 @@ def test_bf16_rope_in_the_kernel_at_a_real_shape(heads, step, splits):
     want = _float64_ref(*rotated)
     own = (_ref_with_rounded_probs(*rotated).double() - want).abs().max()
     assert (out.double() - want).abs().max() <= 2 * own + 1e-3
+
+
+def test_fp32_takes_blocks_that_fit_shared_memory_or_the_reference_with_one_notice(
+    monkeypatch, caplog
+):
+    """The 256-key blocks at d 64 take ~130 KB in bf16 and 276 KB in fp32 (Triton's count on the
+    H100, whose programs may have 227 KB): fp32 keeps the 64-key blocks; where even those do not
+    fit (fp32 keys of d 256 on a 99 KB GPU) the reference serves, and says so once."""
+    from fastgrpo.kernels import support
+
+    monkeypatch.setattr(ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(ops, "multiprocessors", lambda *device: 132)
+    monkeypatch.setattr(ops, "shared_memory", lambda *device: 227 * 1024)
+    monkeypatch.setattr(support, "_noticed", set())
+    assert ops._blocks(64, 2, 64, itemsize=2) == (256, 4, 3)
+    assert ops._blocks(64, 2, 64, itemsize=4) == (64, 4, 2)
+    q = torch.empty(4, 8, 256)
+    assert ops._fits(q, 256) and ops._fits(q.bfloat16(), 256)
+    monkeypatch.setattr(ops, "shared_memory", lambda *device: 99 * 1024)
+    assert ops._fits(q.bfloat16(), 256)
+    assert not ops._fits(q, 256) and not ops._fits(q, 256)
+    notices = [r.getMessage() for r in caplog.records if r.name == "fastgrpo.kernels"]
+    assert notices == [
+        "fastgrpo: decode attention runs its PyTorch reference for float32 at head dim 256 "
+        "(it exceeds shared memory)"
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("heads", REAL.values(), ids=REAL.keys())
+def test_fp32_kernel_at_a_real_shape_in_one_wave_matches_float64(heads, rope):
+    """64 rows x 2 kv heads is one wave on an H100: the step where bf16 takes the 256-key blocks,
+    which in fp32 did not fit shared memory (OutOfResources: 282752 bytes > 232448)."""
+    case = _real_case(*heads, 100, seed=1)
+    if rope:
+        inputs = _rope_inputs(case, dtype=torch.float32, seed=1)
+        _, want_ck, want_cv, rotated = _rope_reference(inputs)
+        out = ops.rope_decode_attention(*inputs)
+        assert torch.equal(inputs[8], want_ck) and torch.equal(inputs[9], want_cv)
+    else:
+        rotated = _inputs(*case, dtype=torch.float32, seed=1)
+        out = ops.decode_attention(*rotated)
+    assert ops._kernel_serves(rotated[0], rotated[1])
+    assert (out.double() - _float64_ref(*rotated)).abs().max() <= 1e-5

@@ -317,7 +317,7 @@ def test_packed_decode_path_of_the_model_is_as_accurate_as_its_pytorch_forward(
 
 
 def test_weights_are_read_in_place_only_when_a_bulk_copy_can_read_them():
-    from fastgrpo.kernels.lm_head_stats import tma_readable
+    from fastgrpo.kernels.support import tma_readable
 
     wide = torch.empty(6, 40, dtype=BF16)
     assert tma_readable(wide)  # 80-byte rows

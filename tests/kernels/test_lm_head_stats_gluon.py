@@ -9,6 +9,7 @@ from kernel_cases import UncompilableKernel
 
 from fastgrpo.kernels import lm_head_stats as ops
 from fastgrpo.kernels import lm_head_stats_gluon as gluon_stats
+from fastgrpo.kernels.support import aligned_empty
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -27,8 +28,7 @@ def _training_stats(hidden, weight, targets, temperature, entropy, gluon):
     saved = gluon_stats.ENABLED
     gluon_stats.ENABLED = gluon
     try:
-        probs = ops.aligned_empty(*(hidden.shape[0], weight.shape[0]), dtype=torch.bfloat16,
-                                  device="cuda")  # fmt: skip
+        probs = aligned_empty(hidden.shape[0], weight.shape[0], dtype=torch.bfloat16, device="cuda")
         chunk = ops.ChunkStats(hidden, weight, targets, temperature, probs, entropy)
         return chunk._stats, probs, chunk
     finally:
