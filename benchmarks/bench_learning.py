@@ -20,6 +20,7 @@ Prints a table, then one JSON line; `--out` receives the JSON and an accuracy-ag
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -33,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import commit  # noqa: E402
 
 from fastgrpo.config import load_config  # noqa: E402
-from fastgrpo.models import stop_token_ids
+from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.models.loading import load_tokenizer, resolve_device, resolve_dtype, resolve_model
 from fastgrpo.rewards import RewardSet, math_accuracy
 from fastgrpo.train import run_training
+from fastgrpo.train.checkpoint import latest_checkpoint, load_trainer_state
 from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.loop import build_task_data
 
@@ -62,6 +64,39 @@ def fastgrpo_precision(args, seed: int) -> str:
     return str(dtype).removeprefix("torch.") + (" + fp32 master weights" if masters else "")
 
 
+def held_out_accuracy(args, seed: int, model, tokenizer) -> float:
+    """fastgrpo's evaluation of the job (greedy, the first args.eval_problems problems)."""
+    config = load_config(overrides=job_overrides(args, seed))
+    scores = evaluate(
+        model,
+        tokenizer,
+        build_task_data(config).eval[: args.eval_problems],
+        rewards=RewardSet.from_specs(config.rewards),
+        stop_ids=stop_token_ids(tokenizer, model),
+        system_prompt=config.task.system_prompt,
+        max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
+        batch_size=config.eval.batch_size,
+        seed=seed,
+    )
+    return scores["accuracy"]
+
+
+def masters_accuracy(args, seed: int, out_dir: Path) -> float | None:
+    """The trained fp32 master weights (the final checkpoint's), evaluated in fp32: how much of
+    the bf16 model's accuracy is its bf16 inference. None for a run without masters."""
+    state = load_trainer_state(latest_checkpoint(out_dir))["optimizer"]
+    if "master_weights" not in state:
+        return None
+    model, tokenizer, _ = load_model(args.model, dtype="float32", device=args.device)
+    with torch.no_grad():
+        params = [p for p in model.parameters() if p.requires_grad]  # ModelOptimizer's order
+        for param, master in zip(params, state["master_weights"], strict=True):
+            param.copy_(master)
+    accuracy = held_out_accuracy(args, seed, model, tokenizer)
+    del model
+    return accuracy
+
+
 def run_fastgrpo(args, seed: int, out_dir: Path) -> dict:
     start = time.perf_counter()
     result = run_training(None, overrides=job_overrides(args, seed) + [f"run.output_dir={out_dir}"])
@@ -84,6 +119,7 @@ def run_fastgrpo(args, seed: int, out_dir: Path) -> dict:
         "peak_memory_gib": max(r["peak_memory_gib"] for r in steps),
         "curve": curve,
         "precision": fastgrpo_precision(args, seed),
+        "after_fp32_eval": masters_accuracy(args, seed, out_dir),
     }
 
 
@@ -101,8 +137,6 @@ def run_trl(args, seed: int, out_dir: Path, autocast: bool = False) -> dict:
     source = resolve_model(args.model)  # TRL loads the policy itself, from this folder
     tokenizer = load_tokenizer(source)
     model_dir = source.path
-    problems = task.eval[: args.eval_problems]
-    rewards = RewardSet.from_specs(config.rewards)
     r, t, a = config.rollout, config.train, config.algo
     device = torch.device(args.device if args.device != "auto" else "cuda")
 
@@ -116,19 +150,9 @@ def run_trl(args, seed: int, out_dir: Path, autocast: bool = False) -> dict:
 
         def evaluate(self, trainer_model) -> float:
             trainer_model.eval()
-            scores = evaluate(
-                trainer_model,
-                tokenizer,
-                problems,
-                rewards=rewards,
-                stop_ids=stop_token_ids(tokenizer, trainer_model),
-                system_prompt=config.task.system_prompt,
-                max_new_tokens=config.eval.max_new_tokens or r.max_new_tokens,
-                batch_size=config.eval.batch_size,
-                seed=seed,
-            )
+            accuracy = held_out_accuracy(args, seed, trainer_model, tokenizer)
             trainer_model.train()
-            return scores["accuracy"]
+            return accuracy
 
         def on_train_begin(self, _args, state, control, model=None, **__):
             self.curve.append((0.0, self.evaluate(model)))
@@ -210,17 +234,24 @@ def run_trl(args, seed: int, out_dir: Path, autocast: bool = False) -> dict:
         "curve": clock.curve,
         "precision": "float32 weights, bf16 autocast" if autocast else "float32",
     }
-    del trainer
+    bf16_copy = copy.deepcopy(trainer.model).to(torch.bfloat16).eval()
+    row["after_bf16_eval"] = held_out_accuracy(args, seed, bf16_copy, tokenizer)
+    del trainer, bf16_copy
     torch.cuda.empty_cache()
     return row
 
 
 def summarize(rows: list[dict]) -> dict:
-    return {
+    out = {
         "before_mean": statistics.mean(r["before"] for r in rows),
         "after_mean": statistics.mean(r["after"] for r in rows),
         "train_seconds_mean": statistics.mean(r["train_seconds"] for r in rows),
     }
+    for key in ("after_fp32_eval", "after_bf16_eval"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            out[key + "_mean"] = statistics.mean(values)
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -268,14 +299,17 @@ def plot(result: dict, path: Path) -> None:
 
 def print_table(result: dict) -> None:
     print(
-        f"\n{'method':<34} {'seed':>5} {'before':>7} {'after':>7} {'train s':>8} "
+        f"\n{'method':<34} {'seed':>5} {'before':>7} {'after':>7} {'other':>6} {'train s':>8} "
         f"{'wall s':>7} {'peak GiB':>9}"
     )
+    print("(other: the trained weights evaluated in the other precision, fp32 or bf16)")
     for row in result["runs"]:
         seed = f"{row['seed']}" + (" cold" if row.get("cold") else "")
+        other = row.get("after_fp32_eval", row.get("after_bf16_eval"))
+        other = "-" if other is None else f"{other:.3f}"
         print(
             f"{row['method']:<34} {seed:>5} {row['before']:>7.3f} {row['after']:>7.3f} "
-            f"{row['train_seconds']:>8.1f} {row['wall_seconds']:>7.1f} "
+            f"{other:>6} {row['train_seconds']:>8.1f} {row['wall_seconds']:>7.1f} "
             f"{row['peak_memory_gib']:>9.2f}"
         )
     for name, summary in result["summary"].items():
