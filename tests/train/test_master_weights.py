@@ -172,3 +172,43 @@ def test_on_cuda_bf16_masters_follow_fp32_through_the_fused_kernels_and_fused_ad
     assert (flat(mixed.params) != flat(before16)).float().mean() > 0.25
     _, off = train_trajectory(tiny_model_dir, "bfloat16", "off", device="cuda")
     assert (flat(off.params) != flat(before16)).float().mean() < 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_training_run_checkpoints_bf16_weights_that_are_its_masters_rounded(
+    tiny_model_dir, tmp_path
+):
+    from fastgrpo.train import run_training
+    from fastgrpo.train.checkpoint import latest_checkpoint, load_trainer_state
+
+    overrides = [
+        f"model.name={tiny_model_dir}",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "train.steps=3",
+        "train.learning_rate=1e-3",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_new_tokens=8",
+        "rollout.temperature=1.0",
+        "eval.before=false",
+        "eval.after=false",
+        "rewards=[math_accuracy, answer_format]",
+    ]
+    run_training(None, overrides=overrides)
+    checkpoint = latest_checkpoint(tmp_path / "run")
+    masters = load_trainer_state(checkpoint)["optimizer"]["master_weights"]
+    saved, _, _ = load_model(str(checkpoint), device="cuda", dtype="bfloat16")
+    start, _, _ = load_model(tiny_model_dir, device="cuda", dtype="bfloat16")
+    names = [n for n, p in saved.named_parameters() if p.requires_grad]
+    params = [p for p in saved.parameters() if p.requires_grad]
+    initial = [p for p in start.parameters() if p.requires_grad]
+    assert len(masters) == len(params)
+    moved = 0
+    for name, param, master, first in zip(names, params, masters, initial):
+        assert torch.equal(param.detach(), master.to(param.device, torch.bfloat16)), name
+        moved += int(not torch.equal(param, first))
+    assert moved == len(params)  # at lr 1e-3 every tensor moves
