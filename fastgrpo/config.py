@@ -103,6 +103,10 @@ class TrainConfig:
     # refreshed from them after each step); off: AdamW updates bf16 weights in place, which
     # rounds updates below half a bf16 ulp away (most of them at lr 1e-5)
     master_weights: str = "auto"
+    # stochastic | nearest: how the bf16 weights are rounded from the fp32 masters after a step
+    # (stochastic: unbiased, so updates below half an ulp still reach the weights the rollout
+    # and the loss use; it learned more in benchmarks/results/bf16_rounding_ab_h200.txt)
+    bf16_rounding: str = "stochastic"
     seed: int = 0
 
 
@@ -311,6 +315,7 @@ _CHOICES = {
     "train.lr_scheduler": ("constant", "linear", "cosine"),
     "train.fused_lm_head": ("auto", "on", "off"),
     "train.master_weights": ("auto", "fp32", "off"),
+    "train.bf16_rounding": ("stochastic", "nearest"),
 }
 
 # key -> (lowest allowed, inclusive?)

@@ -156,6 +156,7 @@ def build_trainer(
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
         master_weights=t.master_weights,
+        rounding=t.bf16_rounding,
     )
     scheduler = build_scheduler(
         optimizer.adamw,

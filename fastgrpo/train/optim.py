@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from fastgrpo.train.precision import MasterWeights, wants_masters
+from fastgrpo.train.precision import LOW_PRECISION, MasterWeights, wants_masters
 
 
 class ModelOptimizer:
@@ -24,14 +24,18 @@ class ModelOptimizer:
         betas: tuple[float, float],
         eps: float,
         master_weights: str = "auto",
+        rounding: str = "stochastic",
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is off)")
-        self.masters = (
-            MasterWeights(self.params) if wants_masters(master_weights, self.params) else None
-        )
-        stepped = self.masters.masters if self.masters else self.params
+        self.masters = None
+        stepped = self.params
+        if wants_masters(master_weights, self.params):  # bf16/fp16 ones get fp32 masters
+            low = [p for p in self.params if p.dtype in LOW_PRECISION]
+            self.masters = MasterWeights(low, rounding)
+            full = [p for p in self.params if p.dtype not in LOW_PRECISION]
+            stepped = self.masters.masters + full
         # Biases and norm weights (1-D) take no weight decay, as in common practice.
         groups = [
             {"params": [p for p in stepped if p.dim() >= 2], "weight_decay": weight_decay},
@@ -59,8 +63,8 @@ class ModelOptimizer:
                 norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
         self.adamw.step()
         if self.masters is not None:
-            self.masters.release_gradients()
             self.masters.refresh()
+            self.masters.release_gradients()
         return norm
 
     def state_dict(self) -> dict:

@@ -7,17 +7,20 @@ where the same job in fp32 reached 0.51 (issue 26). torch's AdamW also keeps its
 parameter's dtype, so a bf16 model had bf16 moments too.
 
 How: the model keeps its bf16 (or fp16) parameters; the rollout engine and the kernels read those
-very tensors, zero-copy. AdamW steps fp32 copies of them (the masters) and keeps its moments
-beside the masters, in fp32. Each optimizer step:
+very tensors, zero-copy. AdamW steps fp32 copies of them (the masters, views of one flat buffer)
+and keeps its moments beside the masters, in fp32. Each optimizer step:
   1. casts the gradients autograd accumulated on the bf16 parameters into fp32 gradient buffers
      that exist only during the step (one multi-tensor copy; the buffers are views of one flat
      allocation whose storage is freed again afterwards, so they add nothing to the peak memory of
      the backward passes);
   2. clips the fp32 gradients and steps AdamW on the masters;
-  3. refreshes the bf16 parameters from the masters: one multi-tensor copy that rounds to nearest
-     (`torch._foreach_copy_`), no per-parameter Python loop.
-Gradients accumulate across micro-batches in bf16, in autograd (benchmarks/NOTES.md, issue 26,
-has the measurement behind that choice).
+  3. refreshes the bf16 parameters from the masters, by default with stochastic rounding (three
+     passes over the flat buffer and one multi-tensor copy; `refresh` says why), no
+     per-parameter Python loop.
+Gradients accumulate across micro-batches in bf16, in autograd: on the real model that adds
+0.2-0.35% of error to a gradient whose bf16 compute already carries 4-6%
+(benchmarks/bench_grad_accumulation.py, results/grad_accumulation_*.json), while an fp32 buffer
+alive through every backward would cost 4 bytes a parameter at the peak.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 
 MODES = ("auto", "fp32", "off")
+ROUNDINGS = ("stochastic", "nearest")  # how the bf16 weights are rounded from the masters
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored bits, the leading 1 not counted
 
@@ -32,17 +36,29 @@ MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored bits, the leadi
 class MasterWeights:
     """fp32 masters of a model's low-precision parameters, for the optimizer to step instead."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], rounding: str = "stochastic"):
         if not params:
             raise ValueError("MasterWeights needs at least one parameter")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding is {rounding!r}; choose one of {', '.join(ROUNDINGS)}")
         self.params = list(params)  # the model's bf16/fp16 parameters, read by every kernel
-        # nn.Parameter: a leaf the optimizer accepts; its .grad is a view set up once below.
-        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
-        sizes = [m.numel() for m in self.masters]
-        flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.masters[0].device)
-        for master, view in zip(self.masters, flat.split(sizes)):
+        # stochastic rounding works on the bits of bf16's fp32 twin; fp16 rounds to nearest
+        self.stochastic = rounding == "stochastic" and all(
+            p.dtype == torch.bfloat16 for p in self.params
+        )
+        sizes = [p.numel() for p in self.params]
+        device = self.params[0].device
+        # The masters are views of one flat fp32 buffer (one pass rounds them all), and each
+        # is an nn.Parameter, a leaf the optimizer accepts; its .grad is a view set up once.
+        self._flat = torch.cat([p.detach().float().flatten() for p in self.params])
+        self.masters = [
+            torch.nn.Parameter(view.view_as(p))
+            for p, view in zip(self.params, self._flat.split(sizes))
+        ]
+        self._grad_flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+        for master, view in zip(self.masters, self._grad_flat.split(sizes)):
             master.grad = view.view_as(master)
-        self._grad_storage = flat.untyped_storage()
+        self._grad_storage = self._grad_flat.untyped_storage()
         self._grad_bytes = self._grad_storage.nbytes()
         self._grad_storage.resize_(0)  # allocated only while a step runs
         self._grads = [m.grad for m in self.masters]
@@ -72,8 +88,29 @@ class MasterWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Round the masters into the model's parameters, in place (the tensors the engine reads)."""
-        torch._foreach_copy_(self.params, self.masters)
+        """Round the masters into the model's parameters, in place (the tensors the engine reads).
+
+        Stochastic rounding (bf16): each master rounds up with probability equal to its distance
+        from the bf16 below, so the bf16 weights equal the masters in expectation. Rounding to
+        nearest instead leaves a weight unchanged until its master has moved half an ulp: at lr
+        1e-5, 30 steps moved 10% of the 135M model's matrix entries and 1% of its norm gains, and
+        the masters drifted on with no feedback (evaluated in fp32 they scored 0.34 where their
+        bf16 rounding scored 0.48). Stochastic rounding learned more: 0.520 against 0.486 held-out
+        accuracy, 6 seeds each (benchmarks/results/bf16_rounding_ab_h200.txt).
+        The gradient buffer, free between steps, holds the rounded values on their way.
+        """
+        allocated = self._grad_storage.nbytes() != 0
+        if not allocated:
+            self._grad_storage.resize_(self._grad_bytes)
+        if self.stochastic:  # bf16 is fp32's upper half: add 16 random low bits, then cut them
+            bits = self._grad_flat.view(torch.int32)
+            bits.random_(0, 1 << 16)
+            bits.add_(self._flat.view(torch.int32)).bitwise_and_(-(1 << 16))
+            torch._foreach_copy_(self.params, self._grads)  # exact: the low bits are zero
+        else:
+            torch._foreach_copy_(self.params, self.masters)
+        if not allocated:
+            self._grad_storage.resize_(0)
 
     def state_dict(self) -> list[torch.Tensor]:
         return [m.detach() for m in self.masters]
@@ -87,8 +124,8 @@ class MasterWeights:
                 "the checkpoint's master weights do not match this model's parameters; "
                 "resume with the model and config the run was started with"
             )
+        # the bf16 weights stay as they are: a checkpoint's model holds the masters' rounding
         torch._foreach_copy_(self.masters, [m.to(self.masters[0].device) for m in masters])
-        self.refresh()
 
 
 def wants_masters(mode: str, params: list[torch.Tensor]) -> bool:
