@@ -61,7 +61,10 @@ def fastgrpo_precision(args, seed: int) -> str:
     config = load_config(overrides=job_overrides(args, seed))
     dtype = resolve_dtype(config.model.dtype, resolve_device(config.model.device))
     masters = dtype != torch.float32 and config.train.master_weights != "off"
-    return str(dtype).removeprefix("torch.") + (" + fp32 master weights" if masters else "")
+    rounding = f", {config.train.bf16_rounding} rounding" if masters else ""
+    return str(dtype).removeprefix("torch.") + (
+        f" + fp32 master weights{rounding}" if masters else ""
+    )
 
 
 def held_out_accuracy(args, seed: int, model, tokenizer) -> float:
