@@ -294,10 +294,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        if isinstance(value, bool):  # YAML 1.1 reads on/off as bools
+        if isinstance(value, bool) and key in _CHOICES:  # YAML 1.1 reads on/off as bools
             word = "on" if value else "off"
-            if word in _CHOICES.get(key, ()):
+            if word in _CHOICES[key]:
                 return word
+            raise ConfigError(f"'{key}' is {word!r}; choose one of {', '.join(_CHOICES[key])}.")
     raise ConfigError(f"'{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__})")
 
 

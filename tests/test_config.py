@@ -84,3 +84,13 @@ def test_all_keys_lists_every_section_field():
 def test_on_and_off_read_by_yaml_as_booleans_still_mean_on_and_off():
     assert load_config(None, ["train.fused_lm_head=off"]).train.fused_lm_head == "off"
     assert load_config(None, ["train.fused_lm_head=on"]).train.fused_lm_head == "on"
+
+
+def test_master_weights_takes_yaml_off_and_names_its_choices_for_anything_else():
+    from fastgrpo.config import ConfigError, load_config
+
+    assert load_config(overrides=["train.master_weights=off"]).train.master_weights == "off"
+    assert load_config().train.bf16_rounding == "stochastic"
+    for bad in ("on", "bf16", "true"):
+        with pytest.raises(ConfigError, match="choose one of auto, fp32, off"):
+            load_config(overrides=[f"train.master_weights={bad}"])
