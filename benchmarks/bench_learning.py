@@ -40,7 +40,7 @@ from fastgrpo.rewards import RewardSet, math_accuracy
 from fastgrpo.train import run_training
 from fastgrpo.train.checkpoint import latest_checkpoint, load_trainer_state
 from fastgrpo.train.evaluate import evaluate
-from fastgrpo.train.loop import build_task_data
+from fastgrpo.train.trainer import build_task_data
 
 
 def job_overrides(args, seed: int) -> list[str]:

@@ -68,7 +68,8 @@ from bench_rollout import (  # noqa: E402
 
 from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
 from fastgrpo.data import Example  # noqa: E402
-from fastgrpo.train.loop import build_trainer, grpo_step  # noqa: E402
+from fastgrpo.train.loop import grpo_step  # noqa: E402
+from fastgrpo.train.trainer import build_trainer  # noqa: E402
 
 END = "<|endoftext|>"  # EOS and pad; its id, the vocabulary size, is one the model cannot sample
 PHASES = ("rollout", "reward", "reference", "old_logprobs", "update", "optimizer")

@@ -199,7 +199,7 @@ def run_eval(args) -> int:
     from fastgrpo.rewards import RewardSet
     from fastgrpo.train.checkpoint import latest_checkpoint
     from fastgrpo.train.evaluate import evaluate
-    from fastgrpo.train.loop import build_task_data, load_configured_model
+    from fastgrpo.train.trainer import build_task_data, load_configured_model
 
     config = _load(args)
     name = args.model or config.model.name

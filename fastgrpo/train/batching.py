@@ -1,8 +1,74 @@
-"""Split rows into micro-batches that fit a token budget."""
+"""Split a rollout's rows into mini-batches (one optimizer step each) of micro-batches that fit a
+token budget (one forward and backward each)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from fastgrpo.rollout import Rollout
+from fastgrpo.train.logprobs import prompt_groups, trim_padding
+
+
+@dataclass
+class MicroBatch:
+    rollout: Rollout  # trimmed rows
+    advantages: torch.Tensor  # (b,)
+    ref_logp: torch.Tensor | None = None  # (b, Tc), set by the reference scoring phase
+    old_logp: torch.Tensor | None = None  # (b, Tc), set by the old log-probs phase
+
+
+@dataclass
+class MiniBatch:
+    """The rows of one optimizer step: its micro-batches, and the counts its loss divides by."""
+
+    micro: list[MicroBatch]
+    num_sequences: int  # all of the mini-batch's rows, those left out included
+    num_tokens: torch.Tensor  # () its completion tokens, those left out included
+
+
+def plan_update(
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    *,
+    mini_batches: int,
+    token_budget: int,
+    zero_gradient_rows: bool,
+    packed: bool,
+) -> list[MiniBatch]:
+    """`mini_batches` equal slices of the rows, each in micro-batches of `token_budget` tokens.
+
+    With `zero_gradient_rows` (a zero advantage gives a zero gradient: no KL, no entropy term)
+    rows of zero advantage are left out of the micro-batches; they still count in the loss
+    normalisers, so the update is the one the whole batch would give. `packed`: the native
+    model's forward, which packs rows without padding and each shared prompt once.
+    """
+    rows = advantages.shape[0]
+    per_mini = rows // mini_batches
+    plan = []
+    for m in range(mini_batches):
+        index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
+        sub = rollout.rows(index)
+        num_tokens = sub.completion_mask.sum().clamp(min=1)
+        active = (advantages[index] != 0) | (not zero_gradient_rows)  # rows that move weights
+        micro = _micro_batches(sub, advantages[index], active, token_budget, packed)
+        plan.append(MiniBatch(micro, per_mini, num_tokens))
+    return plan
+
+
+def _micro_batches(
+    sub: Rollout, advantages, active, token_budget: int, packed: bool
+) -> list[MicroBatch]:
+    index = active.nonzero().squeeze(-1)
+    if index.numel() == 0:
+        return []
+    chosen = sub.rows(index)
+    groups = prompt_groups(chosen.prompt_ids, chosen.prompt_mask) if packed else None
+    plan = plan_micro_batches(
+        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget, groups
+    )
+    return [MicroBatch(trim_padding(chosen.rows(rows)), advantages[index][rows]) for rows in plan]
 
 
 def plan_micro_batches(

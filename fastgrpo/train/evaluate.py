@@ -6,21 +6,8 @@ import torch
 
 from fastgrpo.data import Example, render_prompt
 from fastgrpo.rewards import RewardSet, math_accuracy
+from fastgrpo.rewards.rollout_rewards import decode_completions, reward_columns
 from fastgrpo.rollout import generate_rollout
-
-
-def decode_completions(tokenizer, rollout) -> list[str]:
-    """Completion text of each row, cut after its stop token, special tokens removed."""
-    lengths = rollout.completion_mask.sum(-1).long().tolist()
-    # numpy rows: transformers turns each into a list in one call, where a list of ints is
-    # checked element by element (~7 ms of a 64 x 256-token batch)
-    rows = [ids[:n] for ids, n in zip(rollout.completion_ids.cpu().numpy(), lengths)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
-
-
-def reward_columns(examples: list[Example], repeat: int) -> dict[str, list]:
-    keys = dict.fromkeys(key for ex in examples for key in ex.columns)
-    return {key: [ex.columns.get(key) for ex in examples for _ in range(repeat)] for key in keys}
 
 
 @torch.no_grad()

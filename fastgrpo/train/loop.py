@@ -18,22 +18,30 @@ import yaml
 
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError, config_from_dict, validate
-from fastgrpo.data import DatasetError, PromptSampler, TaskData, build_task, render_prompt
-from fastgrpo.models import Transformer, load_model, stop_token_ids
-from fastgrpo.rewards import RewardSet, math_accuracy
+from fastgrpo.data import PromptSampler, TaskData, render_prompt
+from fastgrpo.models import Transformer
+from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout
+from fastgrpo.train.batching import plan_update
 from fastgrpo.train.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
     save_checkpoint,
     set_rng_state,
 )
-from fastgrpo.train.evaluate import decode_completions, evaluate, reward_columns
+from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
-from fastgrpo.train.optim import ModelOptimizer, build_scheduler
-from fastgrpo.train.precision import rounded_away_fraction
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
-from fastgrpo.train.update import update_policy, use_fused_lm_head
+from fastgrpo.train.scoring import score_old, score_reference
+from fastgrpo.train.trainer import (
+    Trainer,
+    build_rewards,
+    build_task_data,
+    build_trainer,
+    check_fused_lm_head,
+    load_configured_model,
+)
+from fastgrpo.train.update import update_policy
 from fastgrpo.transfer import to_device
 
 log = logging.getLogger("fastgrpo.train")
@@ -48,152 +56,6 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     interrupted: bool = False
     profile_trace: Path | None = None  # the Chrome trace of run.profile_steps steps, if any
-
-
-@dataclass
-class Trainer:
-    """Everything a step works with, built once by `build_trainer`."""
-
-    model: object
-    ref_model: object | None  # frozen reference; None when beta == 0
-    tokenizer: object
-    optimizer: ModelOptimizer  # AdamW, over fp32 masters of bf16 weights by default
-    scheduler: object
-    rewards: RewardSet
-    stop_ids: list[int]
-
-
-# ----------------------------------------------------------------------------- setup
-
-
-def build_task_data(config: Config) -> TaskData:
-    t = config.task
-    options = dict(
-        seed=t.seed,
-        num_train=t.num_train,
-        num_eval=t.num_eval,
-        prompt_template=t.prompt_template,
-        path=t.path,
-        prompt_field=t.prompt_field,
-        answer_field=t.answer_field,
-        train_split=t.train_split,
-        eval_split=t.eval_split,
-    )
-    if t.name == "arithmetic":
-        options.update(
-            min_value=t.min_value,
-            max_value=t.max_value,
-            num_operands=t.num_operands,
-            operations=t.operations,
-        )
-    try:
-        return build_task(t.name, **{k: v for k, v in options.items() if v is not None})
-    except DatasetError:
-        raise
-    except ValueError as error:  # a knob the task refuses: say which section it belongs to
-        raise ConfigError(f"task: {error}") from error
-
-
-def build_rewards(config: Config) -> RewardSet:
-    try:
-        return RewardSet.from_specs(config.rewards)
-    except ValueError as error:
-        raise ConfigError(f"rewards: {error}") from error
-
-
-def load_configured_model(config: Config, name: str | None = None):
-    """(model, tokenizer, source) for `name` (default: model.name) with the config's model settings."""
-    m = config.model
-    return load_model(
-        name or m.name,
-        dtype=m.dtype,
-        device=m.device,
-        revision=m.revision,
-        trust_remote_code=m.trust_remote_code,
-        backend=m.backend,
-    )
-
-
-def check_fused_lm_head(config: Config, model) -> None:
-    """A ConfigError now if train.fused_lm_head asks for kernels that cannot run on `model`."""
-    try:
-        use_fused_lm_head(config, model)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-
-
-def build_trainer(
-    config: Config, model, tokenizer, ref_model=None, *, rewards: RewardSet | None = None
-) -> Trainer:
-    """The Trainer for an already-made policy `model` (and, when algo.beta != 0, its frozen
-    reference `ref_model`, None otherwise): sets the model up for training as configured and
-    builds the optimizer, schedule, rewards (default: config.rewards) and stop ids.
-
-    `train` builds its Trainer here; so can a caller with its own models, such as
-    benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
-    """
-    check_fused_lm_head(config, model)
-    if (ref_model is None) != (config.algo.beta == 0):
-        raise ValueError(
-            f"algo.beta={config.algo.beta} needs "
-            + ("a frozen reference model" if ref_model is None else "no reference model (None)")
-        )
-    native = isinstance(model, Transformer)
-    if config.model.gradient_checkpointing and native:
-        model.activation_checkpointing = True
-    elif config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if not native:
-        model.config.use_cache = True
-    if ref_model is not None:
-        ref_model.requires_grad_(False).eval()
-    t = config.train
-    check_training_precision(config, model)
-    optimizer = ModelOptimizer(
-        model,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-        master_weights=t.master_weights,
-        rounding=t.bf16_rounding,
-    )
-    scheduler = build_scheduler(
-        optimizer.adamw,
-        kind=t.lr_scheduler,
-        warmup_steps=t.warmup_steps,
-        total_steps=t.steps * t.num_iterations * t.mini_batches,
-    )
-    return Trainer(
-        model,
-        ref_model,
-        tokenizer,
-        optimizer,
-        scheduler,
-        rewards if rewards is not None else build_rewards(config),
-        stop_token_ids(tokenizer, model),
-    )
-
-
-def check_training_precision(config: Config, model) -> None:
-    """Refuse fp16 training; warn when train.master_weights=off would round the updates away."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if any(p.dtype == torch.float16 for p in params):
-        raise ConfigError(
-            "model.dtype=float16 cannot train here: fp16 gradients underflow without loss "
-            "scaling, which fastgrpo does not do. Use model.dtype=bfloat16 (same memory and "
-            "speed, fp32's range; the default on GPUs that have it) or float32."
-        )
-    if config.train.master_weights == "off":
-        lost = rounded_away_fraction(params, config.train.learning_rate)
-        if lost > 0.5:
-            log.warning(
-                "train.master_weights=off: a step of lr %.3g is below half a bf16 ulp for %.0f%% "
-                "of the weights, so AdamW's updates to them round away; use "
-                "train.master_weights=auto (fp32 master weights) or a larger learning rate",
-                config.train.learning_rate,
-                100 * lost,
-            )
 
 
 def check_run_dir(config: Config, resume: bool) -> Path:
@@ -394,64 +256,101 @@ class _StopRequest:
 
 
 def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
-    """One GRPO step on a batch of prompts; returns its metrics."""
-    model, tokenizer, rewards = trainer.model, trainer.tokenizer, trainer.rewards
-    r, a = config.rollout, config.algo
+    """One GRPO step on a batch of prompts, phase by phase; returns its metrics."""
+    model, r, t = trainer.model, config.rollout, config.train
     timer = PhaseTimer(model.device)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     step_start = time.perf_counter()
     with timer("rollout"):
-        texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
-        rollout = generate_rollout(
-            model,
-            tokenizer,
-            texts,
-            num_generations=r.num_generations,
-            max_new_tokens=r.max_new_tokens,
-            stop_ids=trainer.stop_ids,
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            with_sampling_logp=a.importance_sampling_correction,
-        )
-
+        rollout = sample_completions(config, trainer, examples)
     with timer("reward"):
-        completions = decode_completions(tokenizer, rollout)
-        prompts = [ex.prompt for ex in examples for _ in range(r.num_generations)]
-        columns = reward_columns(examples, r.num_generations)
-        scored = rewards(prompts, completions, columns)
-        reward = to_device(torch.tensor(scored.total, dtype=torch.float32), model.device)  # (B,)
-        correct = rewards.values_of(math_accuracy, scored)  # the default reward: scored above
-        if correct is None:
-            correct = math_accuracy(prompts, completions, **columns)
-        accuracy = sum(correct) / len(completions)
+        scores = score_rollout(
+            trainer.rewards, trainer.tokenizer, examples, rollout, r.num_generations
+        )
+        reward = to_device(torch.tensor(scores.result.total, dtype=torch.float32), model.device)
         advantages = group_advantages(
-            reward, r.num_generations, scale=a.scale_rewards, baseline=a.baseline
+            reward,
+            r.num_generations,
+            scale=config.algo.scale_rewards,
+            baseline=config.algo.baseline,
         )  # (B,)
-
-    if a.mask_truncated_completions:  # a cut-off answer teaches nothing reliable: leave it out
+    if config.algo.mask_truncated_completions:  # a cut-off answer teaches nothing reliable
         rollout.completion_mask = rollout.completion_mask * rollout.finished.unsqueeze(1)
-    update_metrics = update_policy(config, trainer, rollout, advantages, timer)
+    with timer("reference"):  # the plan of mini- and micro-batches is timed here too
+        plan = plan_update(
+            rollout,
+            advantages,
+            mini_batches=t.mini_batches,
+            token_budget=t.micro_batch_tokens,
+            zero_gradient_rows=trainer.loss_settings.zero_gradient_rows_possible,
+            packed=isinstance(model, Transformer),
+        )
+        if trainer.ref_model is not None:
+            score_reference(
+                trainer.ref_model,
+                plan,
+                temperature=r.temperature,
+                token_budget=t.micro_batch_tokens,
+                fused=trainer.fused,
+            )
+    with timer("old_logprobs"):
+        if t.num_iterations > 1 or t.mini_batches > 1:  # else the ratio is 1 by construction
+            score_old(model, plan, temperature=r.temperature, fused=trainer.fused)
+    update = update_policy(
+        model,
+        trainer.optimizer,
+        trainer.scheduler,
+        plan,
+        trainer.loss,
+        num_iterations=t.num_iterations,
+        max_grad_norm=t.max_grad_norm,
+        timer=timer,
+    )
+    record = step_record(rollout, reward, scores, update, r.num_generations)
+    record["lr"] = trainer.scheduler.get_last_lr()[0]
+    record.update(timer.times)
+    step_time = time.perf_counter() - step_start
+    record["time/step"] = step_time
+    record["tokens_per_s"] = rollout.lengths.sum().item() / step_time
+    record["peak_memory_gib"] = peak_memory_gib(model.device)
+    return record
 
+
+def sample_completions(config: Config, trainer: Trainer, examples: list):
+    """The rollout phase: `rollout.num_generations` completions of each example's prompt."""
+    r = config.rollout
+    texts = [
+        render_prompt(trainer.tokenizer, ex.prompt, config.task.system_prompt) for ex in examples
+    ]
+    return generate_rollout(
+        trainer.model,
+        trainer.tokenizer,
+        texts,
+        num_generations=r.num_generations,
+        max_new_tokens=r.max_new_tokens,
+        stop_ids=trainer.stop_ids,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        with_sampling_logp=config.algo.importance_sampling_correction,
+    )
+
+
+def step_record(rollout, reward, scores, update: dict, num_generations: int) -> dict:
+    """The step's metrics: rewards, accuracy, lengths, and the update's averages."""
     lengths = rollout.lengths
-    record = {
+    result = scores.result
+    return {
         "reward/mean": reward.mean().item(),
         "reward/std": reward.std().item() if reward.numel() > 1 else 0.0,
-        "accuracy": accuracy,
-        "frac_zero_std_groups": zero_std_fraction(reward, r.num_generations).item(),
-        **{f"rewards/{name}": sum(v) / len(v) for name, v in scored.per_reward.items()},
-        **{f"reward_failures/{name}": n for name, n in scored.failures.items() if n},
+        "accuracy": scores.accuracy,
+        "frac_zero_std_groups": zero_std_fraction(reward, num_generations).item(),
+        **{f"rewards/{name}": sum(v) / len(v) for name, v in result.per_reward.items()},
+        **{f"reward_failures/{name}": n for name, n in result.failures.items() if n},
         "completion/mean_length": lengths.mean().item(),
         "completion/min_length": lengths.min().item(),
         "completion/max_length": lengths.max().item(),
         "completion/truncated_frac": (~rollout.finished).float().mean().item(),
-        **update_metrics,
-        "lr": trainer.scheduler.get_last_lr()[0],
-        **timer.times,
+        **update,
     }
-    step_time = time.perf_counter() - step_start
-    record["time/step"] = step_time
-    record["tokens_per_s"] = lengths.sum().item() / step_time
-    record["peak_memory_gib"] = peak_memory_gib(model.device)
-    return record

@@ -1,80 +1,25 @@
-"""The update phase of a GRPO step: K inner epochs x mini-batches x token-budget micro-batches.
+"""The update phase of a GRPO step: K inner epochs over the planned mini-batches, each one
+optimizer step over the gradients its micro-batches accumulate.
 
-Reference and old log-probs are computed once per rollout, on the same micro-batches the update
-uses, so the first inner step sees a ratio of exactly 1. Rows whose gradient is exactly zero (zero
-advantage, no KL, no entropy bonus) are not run through the model at all; they still count in the
-loss normalisers, so the update is the one the whole batch would give.
+The rows, the mini-batches and the micro-batches are planned before (`batching.plan_update`), the
+reference and old log-probs scored before (`scoring.py`), and the loss chosen once at setup
+(`step_loss.choose_loss`); this module runs the forward and backward passes and the steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fastgrpo.algo import policy_loss
-from fastgrpo.config import Config
-from fastgrpo.kernels.lm_head_grpo_loss import (
-    TOKEN_LEVEL_LOSSES,
-    lm_head_grpo_loss,
-    lm_head_policy_loss,
-    token_weights,
-)
 from fastgrpo.kernels.support import _interpreting, kernel_dtype, triton
-from fastgrpo.models.transformer import Transformer
-from fastgrpo.rollout import Rollout
-from fastgrpo.train.batching import plan_micro_batches
-from fastgrpo.train.logprobs import (
-    completion_logprobs,
-    concat_rollouts,
-    kept_hidden,
-    lm_head_weight,
-    prompt_groups,
-    trim_padding,
-    unpack,
-)
+from fastgrpo.train.batching import MicroBatch, MiniBatch
+from fastgrpo.train.logprobs import lm_head_weight
+from fastgrpo.train.optim import ModelOptimizer
 from fastgrpo.train.profiling import PhaseTimer
-
-PER_TOKEN_SETTINGS = (
-    "loss_type",
-    "beta",
-    "kl_estimator",
-    "epsilon_low",
-    "epsilon_high",
-    "delta",
-    "entropy_coef",
-    "importance_sampling_cap",
-)
+from fastgrpo.train.step_loss import MicroBatchLoss
 
 
-@dataclass
-class MicroBatch:
-    rollout: Rollout  # trimmed rows
-    advantages: torch.Tensor  # (b,)
-    ref_logp: torch.Tensor | None = None  # (b, Tc)
-    old_logp: torch.Tensor | None = None  # (b, Tc)
-
-
-def loss_settings(config: Config) -> dict:
-    """The keyword settings of `policy_loss` that come straight from the config."""
-    a = config.algo
-    return dict(
-        loss_type=a.loss_type,
-        beta=a.beta,
-        kl_estimator=a.kl_estimator,
-        epsilon_low=a.epsilon_low,
-        epsilon_high=a.epsilon_high,
-        delta=a.delta,
-        importance_sampling_level=a.importance_sampling_level,
-        max_completion_length=config.rollout.max_new_tokens,
-        entropy_coef=a.entropy_coef,
-        importance_sampling_cap=a.importance_sampling_cap,
-    )
-
-
-def use_fused_lm_head(config: Config, model) -> bool:
-    """Whether the update runs the fused LM-head + loss kernels."""
-    mode = config.train.fused_lm_head
+def use_fused_lm_head(mode: str, model) -> bool:
+    """Whether the update runs the fused LM-head + loss kernels (`mode`: train.fused_lm_head)."""
     on_gpu = model.device.type == "cuda"
     if mode == "on" and triton is None:
         raise ValueError(
@@ -96,218 +41,74 @@ def use_fused_lm_head(config: Config, model) -> bool:
     )
 
 
-def _policy_loss_on(mb: MicroBatch, logp, entropy, num_sequences, num_tokens, settings):
-    """`policy_loss` on a micro-batch's (b, Tc) log-probs and entropies."""
-    return policy_loss(
-        logp,
-        mb.old_logp,
-        mb.ref_logp,
-        mb.advantages,
-        mb.rollout.completion_mask,
-        entropy=entropy,
-        sampling_logp=mb.rollout.sampling_logp,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        **settings,
-    )
+def update_policy(
+    model,
+    optimizer: ModelOptimizer,
+    scheduler,
+    plan: list[MiniBatch],
+    loss: MicroBatchLoss,
+    *,
+    num_iterations: int,
+    max_grad_norm: float,
+    timer: PhaseTimer,
+) -> dict:
+    """`num_iterations` epochs of one optimizer step per mini-batch; the averaged metrics.
 
-
-def micro_batch_loss(config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings):
-    """Reference path: (B, Tc) log-probs with autograd, then `policy_loss`."""
-    logp, entropy = completion_logprobs(
-        model, mb.rollout, temperature=config.rollout.temperature, with_entropy=True
-    )
-    entropy = entropy if config.algo.entropy_coef else entropy.detach()
-    return _policy_loss_on(mb, logp, entropy, num_sequences, num_tokens, settings)
-
-
-def fused_micro_batch_loss(
-    config: Config, model, mb: MicroBatch, num_sequences, num_tokens, settings
-):
-    """Fused path: hidden states of the completion tokens (packed) straight to loss and gradients.
-
-    The metrics come from `policy_loss` on the detached log-probs, so both paths report alike.
+    `timer` gets the phases update (forward and backward passes) and optimizer (clipping, AdamW,
+    the bf16 refresh from the fp32 masters and the schedule, summed over the optimizer steps).
     """
-    mask = mb.rollout.completion_mask
-    keep = mask.bool()  # (b, Tc)
-    hidden = kept_hidden(model, mb.rollout)  # (n, H)
-    weight = lm_head_weight(model)  # (V, H)
-    a = config.algo
-    if a.loss_type in TOKEN_LEVEL_LOSSES and a.importance_sampling_level == "token":  # one pass
-        weights = token_weights(
-            mask,
-            config.algo.loss_type,
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            max_completion_length=config.rollout.max_new_tokens,
-        )  # (b, Tc)
-        rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
-        pick = lambda x: None if x is None else x[keep]  # noqa: E731
-        token_settings = {k: v for k, v in settings.items() if k in PER_TOKEN_SETTINGS}
-        loss, logp, entropy = lm_head_grpo_loss(
-            hidden,
-            weight,
-            mb.rollout.completion_ids[keep],
-            weights[keep],
-            rows[keep],
-            old_logp=pick(mb.old_logp),
-            ref_logp=pick(mb.ref_logp),
-            sampling_logp=pick(mb.rollout.sampling_logp),
-            temperature=config.rollout.temperature,
-            fused=True,
-            **token_settings,
-        )
-    else:  # a sequence-level ratio couples the rows of a sequence: two passes
-
-        def whole_loss(packed_logp, packed_entropy):
-            full_logp, full_entropy = unpack(keep, packed_logp), unpack(keep, packed_entropy)
-            return _policy_loss_on(
-                mb, full_logp, full_entropy, num_sequences, num_tokens, settings
-            )[0]
-
-        loss, logp, entropy = lm_head_policy_loss(
-            hidden,
-            weight,
-            mb.rollout.completion_ids[keep],
-            whole_loss,
-            temperature=config.rollout.temperature,
-            fused=True,
-        )
-    with torch.no_grad():
-        full_logp, full_entropy = unpack(keep, logp), unpack(keep, entropy)
-        _, parts = _policy_loss_on(mb, full_logp, full_entropy, num_sequences, num_tokens, settings)
-    return loss, parts
-
-
-def update_policy(config: Config, trainer, rollout: Rollout, advantages, timer: PhaseTimer) -> dict:
-    """K inner epochs of mini-batch AdamW steps over one rollout batch; returns averaged metrics.
-
-    `timer` gets the phases reference, old_logprobs, update (forward and backward passes) and
-    optimizer (gradient clipping, AdamW, the bf16 refresh from fp32 masters and schedule steps,
-    summed over the optimizer steps).
-    """
-    a, t = config.algo, config.train
-    model, ref_model, optimizer, scheduler = (
-        trainer.model,
-        trainer.ref_model,
-        trainer.optimizer,
-        trainer.scheduler,
-    )
-    rows = advantages.shape[0]
-    per_mini = rows // t.mini_batches
-    settings = loss_settings(config)
-    fused = use_fused_lm_head(config, model)
-    zero_grad_possible = a.beta == 0 and a.entropy_coef == 0
-    needs_old = t.num_iterations > 1 or t.mini_batches > 1
-    minis = []
-    with timer("reference"):  # the micro-batch plan is timed here too
-        for m in range(t.mini_batches):
-            index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
-            sub = rollout.rows(index)
-            num_tokens = sub.completion_mask.sum().clamp(min=1)
-            active = (advantages[index] != 0) | (not zero_grad_possible)  # rows that move weights
-            micro = _micro_batches(
-                sub, advantages[index], active, t.micro_batch_tokens, isinstance(model, Transformer)
-            )
-            minis.append((micro, per_mini, num_tokens))
-        if ref_model is not None:
-            for micro, _, _ in minis:
-                for mb, logp in zip(micro, _score(ref_model, micro, config, fused)):
-                    mb.ref_logp = logp
-    with timer("old_logprobs"), torch.no_grad():
-        if needs_old:  # on the training micro-batches themselves: bitwise the first inner step's
-            for micro, _, _ in minis:
-                for mb in micro:
-                    mb.old_logp, _ = completion_logprobs(
-                        model, mb.rollout, temperature=config.rollout.temperature, fused=fused
-                    )
-
-    # On the device until the end, so the host never waits for a micro-batch to finish:
-    totals: dict[str, torch.Tensor] = {}  # token-weighted sums of the loss's metrics
-    weight_sum = torch.zeros((), device=advantages.device)
-    loss_sum = torch.zeros((), device=advantages.device)  # = sum of the optimizer steps' losses
-    grad_norms = []
+    totals = _Totals(device=next(model.parameters()).device)
     model.train()
     with timer("update"):
-        for _ in range(t.num_iterations):
-            for micro, num_sequences, num_tokens in minis:
-                optimizer.zero_grad()
-                for mb in micro:
-                    step_loss = fused_micro_batch_loss if fused else micro_batch_loss
-                    loss, parts = step_loss(config, model, mb, num_sequences, num_tokens, settings)
-                    if loss.requires_grad:  # False when every token is masked (all truncated)
-                        loss.backward()
-                    loss_sum += loss.detach().float()
-                    tokens = mb.rollout.completion_mask.sum().float()
-                    weight_sum += tokens
-                    for name, value in parts.items():  # detached 0-d tensors
-                        totals[name] = totals.get(name, 0.0) + value.float() * tokens
-                with timer("optimizer"):
-                    norm = optimizer.step(t.max_grad_norm)
-                    scheduler.step()
-                if norm is not None:
-                    grad_norms.append(norm)
-    names = list(totals)
-    norms = [n.float() for n in grad_norms]  # on the device, as the sums
-    values = torch.stack([totals[n] for n in names] + [weight_sum, loss_sum] + norms).tolist()
-    k = len(names)  # one sync above for every metric
-    sums, (weight_sum, loss_sum), norms = values[:k], values[k : k + 2], values[k + 2 :]
-    out = {name: value / weight_sum for name, value in zip(names, sums)} if weight_sum else {}
-    out["loss"] = loss_sum / (t.num_iterations * t.mini_batches)  # mean over optimizer steps
-    if norms:
-        out["grad_norm"] = sum(norms) / len(norms)
-    out["active_rows_frac"] = (
-        sum(mb.advantages.numel() for micro, _, _ in minis for mb in micro) / rows
-    )
-    return out
+        for mini in [mini for _ in range(num_iterations) for mini in plan]:
+            optimizer.zero_grad()
+            _accumulate_gradients(model, mini, loss, totals)
+            with timer("optimizer"):
+                totals.add_norm(optimizer.step(max_grad_norm))
+                scheduler.step()
+    return totals.read(steps=num_iterations * len(plan), plan=plan)
 
 
-# The reference model's scoring keeps no activations, so it runs over this many training
-# micro-batch budgets at once: fewer forwards, less host time (the trainer is host-bound at small
-# batches). The old log-probs stay on the training micro-batches: a GEMM over more rows may round
-# differently, and they must equal the first inner step's log-probs to the bit.
-SCORING_BUDGET_FACTOR = 4
+def _accumulate_gradients(model, mini: MiniBatch, loss: MicroBatchLoss, totals: _Totals) -> None:
+    for mb in mini.micro:
+        value, metrics = loss(model, mb, mini.num_sequences, mini.num_tokens)
+        if value.requires_grad:  # False when every token is masked (all truncated)
+            value.backward()
+        totals.add(value, metrics, mb)
 
 
-@torch.no_grad()
-def _score(model, micro: list[MicroBatch], config: Config, fused: bool) -> list[torch.Tensor]:
-    """(b, Tc) completion log-probs of each micro-batch's rows, from forwards over groups of
-    consecutive micro-batches of up to SCORING_BUDGET_FACTOR token budgets each."""
-    budget = SCORING_BUDGET_FACTOR * config.train.micro_batch_tokens
-    groups: list[list[MicroBatch]] = []
-    size = budget  # padded tokens in the current group; start a new group at once
-    for mb in micro:
-        rollout = mb.rollout
-        tokens = rollout.prompt_ids.shape[0] * (
-            rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
-        )  # padded, as the plan counts them
-        if size + tokens > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(mb)
-        size += tokens
-    out = []
-    for group in groups:
-        merged = concat_rollouts([mb.rollout for mb in group])
-        logp, _ = completion_logprobs(
-            model, merged, temperature=config.rollout.temperature, fused=fused
-        )  # (rows, Tc)
-        for mb, part in zip(group, logp.split([mb.advantages.shape[0] for mb in group])):
-            out.append(part[:, : mb.rollout.completion_ids.shape[1]])
-    return out
+class _Totals:
+    """The update's metrics, summed on the device so the host never waits for a micro-batch; one
+    read at the end."""
 
+    def __init__(self, device):
+        self.sums: dict[str, torch.Tensor] = {}  # token-weighted sums of the loss's metrics
+        self.weight = torch.zeros((), device=device)
+        self.loss = torch.zeros((), device=device)  # = sum of the optimizer steps' losses
+        self.norms: list[torch.Tensor] = []
 
-def _micro_batches(
-    sub: Rollout, advantages, active, token_budget: int, packed: bool
-) -> list[MicroBatch]:
-    """The rows that move the weights, in micro-batches of the token budget; `packed`: the native
-    model's forward, which packs rows without padding and each shared prompt once."""
-    index = active.nonzero().squeeze(-1)
-    if index.numel() == 0:
-        return []
-    chosen = sub.rows(index)
-    groups = prompt_groups(chosen.prompt_ids, chosen.prompt_mask) if packed else None
-    plan = plan_micro_batches(
-        chosen.prompt_mask.sum(-1), chosen.completion_mask.sum(-1), token_budget, groups
-    )
-    return [MicroBatch(trim_padding(chosen.rows(rows)), advantages[index][rows]) for rows in plan]
+    def add(self, loss: torch.Tensor, metrics: dict, mb: MicroBatch) -> None:
+        self.loss += loss.detach().float()
+        tokens = mb.rollout.completion_mask.sum().float()
+        self.weight += tokens
+        for name, value in metrics.items():  # detached 0-d tensors
+            self.sums[name] = self.sums.get(name, 0.0) + value.float() * tokens
+
+    def add_norm(self, norm: torch.Tensor | None) -> None:
+        if norm is not None:
+            self.norms.append(norm.float())
+
+    def read(self, *, steps: int, plan: list[MiniBatch]) -> dict:
+        names = list(self.sums)
+        stacked = [self.sums[n] for n in names] + [self.weight, self.loss] + self.norms
+        values = torch.stack(stacked).tolist()  # the one sync
+        k = len(names)
+        sums, (weight, loss), norms = values[:k], values[k : k + 2], values[k + 2 :]
+        out = {name: value / weight for name, value in zip(names, sums)} if weight else {}
+        out["loss"] = loss / steps  # mean over optimizer steps
+        if norms:
+            out["grad_norm"] = sum(norms) / len(norms)
+        rows = sum(mini.num_sequences for mini in plan)
+        active = sum(mb.advantages.numel() for mini in plan for mb in mini.micro)
+        out["active_rows_frac"] = active / rows
+        return out

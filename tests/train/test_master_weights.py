@@ -10,9 +10,9 @@ import torch
 
 from fastgrpo.config import ConfigError, load_config
 from fastgrpo.models import load_model
-from fastgrpo.train.loop import check_training_precision
 from fastgrpo.train.optim import ModelOptimizer
 from fastgrpo.train.precision import MasterWeights, rounded_away_fraction
+from fastgrpo.train.trainer import check_training_precision
 
 STEPS = 8
 LR = 1e-5

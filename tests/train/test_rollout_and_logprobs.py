@@ -137,10 +137,10 @@ def test_extra_padding_does_not_change_completion_logprobs(tiny_model):
 
 
 def test_reference_scoring_over_merged_micro_batches_gives_each_micro_batchs_logprobs(tiny_model):
-    """`update._score` runs several training micro-batches (different widths after trimming) as
+    """`scoring.score_groups` runs several training micro-batches (different widths after trimming) as
     one forward; each gets the log-probs its own forward gives, in its own width."""
-    from fastgrpo.config import Config
-    from fastgrpo.train.update import MicroBatch, _score
+    from fastgrpo.train.batching import MicroBatch
+    from fastgrpo.train.scoring import score_groups
 
     model, tokenizer = tiny_model
     rollout = _rollout(model, tokenizer, with_sampling_logp=True)
@@ -148,18 +148,15 @@ def test_reference_scoring_over_merged_micro_batches_gives_each_micro_batchs_log
         MicroBatch(trim_padding(rollout.rows(rows)), torch.ones(len(rows)))
         for rows in ([0, 1], [3], [2, 4, 5])
     ]
-    config = Config()
-    config.rollout.temperature = 0.7
-    config.train.micro_batch_tokens = 10_000  # all three fit one scoring forward
-    got = _score(model, micro, config, fused=False)
+    got = score_groups(model, micro, 40_000, 0.7, fused=False)  # all three fit one forward
     assert len(got) == 3
     for mb, logp in zip(micro, got):
         with torch.no_grad():
             want, _ = completion_logprobs(model, mb.rollout, temperature=0.7)
         assert logp.shape == want.shape
         torch.testing.assert_close(logp, want, rtol=0, atol=1e-5)
-    config.train.micro_batch_tokens = 1  # one forward per micro-batch: the same values
-    for a, b in zip(_score(model, micro, config, fused=False), got):
+    # one forward per micro-batch: the same values
+    for a, b in zip(score_groups(model, micro, 1, 0.7, fused=False), got):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 

@@ -1,0 +1,44 @@
+"""Rewards of a rollout: its completions decoded, each task record's columns repeated for its
+samples, every reward called, and the accuracy the trainer reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastgrpo.rewards.math import math_accuracy
+from fastgrpo.rewards.registry import RewardResult, RewardSet
+
+
+@dataclass
+class RolloutRewards:
+    result: RewardResult  # weighted totals (one per row), each reward's values, failures
+    accuracy: float  # share of rows whose final answer equals the reference
+
+
+def decode_completions(tokenizer, rollout) -> list[str]:
+    """Completion text of each row, cut after its stop token, special tokens removed."""
+    lengths = rollout.completion_mask.sum(-1).long().tolist()
+    # numpy rows: transformers turns each into a list in one call, where a list of ints is
+    # checked element by element (~7 ms of a 64 x 256-token batch)
+    rows = [ids[:n] for ids, n in zip(rollout.completion_ids.cpu().numpy(), lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def reward_columns(examples: list, repeat: int) -> dict[str, list]:
+    """Each record's columns (answer, ...) as lists with one value per completion."""
+    keys = dict.fromkeys(key for ex in examples for key in ex.columns)
+    return {key: [ex.columns.get(key) for ex in examples for _ in range(repeat)] for key in keys}
+
+
+def score_rollout(
+    rewards: RewardSet, tokenizer, examples: list, rollout, samples: int
+) -> RolloutRewards:
+    """The rewards of a rollout of `samples` rows per example, rows grouped by example."""
+    completions = decode_completions(tokenizer, rollout)
+    prompts = [ex.prompt for ex in examples for _ in range(samples)]
+    columns = reward_columns(examples, samples)
+    result = rewards(prompts, completions, columns)
+    correct = rewards.values_of(math_accuracy, result)  # the default reward: scored above
+    if correct is None:
+        correct = math_accuracy(prompts, completions, **columns)
+    return RolloutRewards(result, sum(correct) / len(completions))

@@ -1,0 +1,68 @@
+"""The no-gradient phases before the update: reference and old log-probs of the completions.
+
+Both are computed once per rollout, on the micro-batches the update will use, so the first inner
+step sees a ratio of exactly 1. The reference model keeps no activations, so it scores several
+micro-batches per forward (fewer forwards, less host time: the trainer is host-bound at small
+batches). The old log-probs stay on the training micro-batches themselves: a GEMM over more rows
+may round differently, and they must equal the first inner step's log-probs to the bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.train.batching import MicroBatch, MiniBatch
+from fastgrpo.train.logprobs import completion_logprobs, concat_rollouts
+
+# the reference scores over this many training micro-batch budgets at once
+SCORING_BUDGET_FACTOR = 4
+
+
+@torch.no_grad()
+def score_reference(
+    ref_model, plan: list[MiniBatch], *, temperature: float, token_budget: int, fused: bool
+) -> None:
+    """Set each micro-batch's `ref_logp` (b, Tc): the frozen reference's log-probs."""
+    for mini in plan:
+        budget = SCORING_BUDGET_FACTOR * token_budget
+        for mb, logp in zip(
+            mini.micro, score_groups(ref_model, mini.micro, budget, temperature, fused)
+        ):
+            mb.ref_logp = logp
+
+
+@torch.no_grad()
+def score_old(model, plan: list[MiniBatch], *, temperature: float, fused: bool) -> None:
+    """Set each micro-batch's `old_logp` (b, Tc): the policy's log-probs before the update."""
+    for mini in plan:
+        for mb in mini.micro:
+            mb.old_logp, _ = completion_logprobs(
+                model, mb.rollout, temperature=temperature, fused=fused
+            )
+
+
+@torch.no_grad()
+def score_groups(
+    model, micro: list[MicroBatch], budget: int, temperature: float, fused: bool
+) -> list[torch.Tensor]:
+    """(b, Tc) completion log-probs of each micro-batch's rows, from forwards over groups of
+    consecutive micro-batches of up to `budget` padded tokens each."""
+    groups: list[list[MicroBatch]] = []
+    size = budget  # padded tokens in the current group; start a new group at once
+    for mb in micro:
+        rollout = mb.rollout
+        tokens = rollout.prompt_ids.shape[0] * (
+            rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
+        )  # padded, as the plan counts them
+        if size + tokens > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(mb)
+        size += tokens
+    out = []
+    for group in groups:
+        merged = concat_rollouts([mb.rollout for mb in group])
+        logp, _ = completion_logprobs(model, merged, temperature=temperature, fused=fused)
+        for mb, part in zip(group, logp.split([mb.advantages.shape[0] for mb in group])):
+            out.append(part[:, : mb.rollout.completion_ids.shape[1]])  # (b, Tc)
+    return out

@@ -1,0 +1,175 @@
+"""Everything a GRPO step works with, built once: the task's data, the rewards, the models, the
+optimizer and schedule, and the loss path (`Trainer`, made by `build_trainer`).
+
+`fastgrpo.train.loop.train` builds its Trainer here; so can a caller with its own models, such as
+benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.config import Config, ConfigError
+from fastgrpo.data import DatasetError, TaskData, build_task
+from fastgrpo.models import Transformer, load_model, stop_token_ids
+from fastgrpo.rewards import RewardSet
+from fastgrpo.train.optim import ModelOptimizer, build_scheduler
+from fastgrpo.train.precision import rounded_away_fraction
+from fastgrpo.train.step_loss import LossSettings, MicroBatchLoss, choose_loss
+from fastgrpo.train.update import use_fused_lm_head
+
+log = logging.getLogger("fastgrpo.train")
+
+
+@dataclass
+class Trainer:
+    """Everything a step works with, built once by `build_trainer`."""
+
+    model: object
+    ref_model: object | None  # frozen reference; None when beta == 0
+    tokenizer: object
+    optimizer: ModelOptimizer  # AdamW, over fp32 masters of bf16 weights by default
+    scheduler: object
+    rewards: RewardSet
+    stop_ids: list[int]
+    loss_settings: LossSettings
+    loss: MicroBatchLoss  # chosen once: the reference or a fused LM-head path
+    fused: bool  # the fused LM-head kernels score and train
+
+
+def build_task_data(config: Config) -> TaskData:
+    t = config.task
+    options = dict(
+        seed=t.seed,
+        num_train=t.num_train,
+        num_eval=t.num_eval,
+        prompt_template=t.prompt_template,
+        path=t.path,
+        prompt_field=t.prompt_field,
+        answer_field=t.answer_field,
+        train_split=t.train_split,
+        eval_split=t.eval_split,
+    )
+    if t.name == "arithmetic":
+        options.update(
+            min_value=t.min_value,
+            max_value=t.max_value,
+            num_operands=t.num_operands,
+            operations=t.operations,
+        )
+    try:
+        return build_task(t.name, **{k: v for k, v in options.items() if v is not None})
+    except DatasetError:
+        raise
+    except ValueError as error:  # a knob the task refuses: say which section it belongs to
+        raise ConfigError(f"task: {error}") from error
+
+
+def build_rewards(config: Config) -> RewardSet:
+    try:
+        return RewardSet.from_specs(config.rewards)
+    except ValueError as error:
+        raise ConfigError(f"rewards: {error}") from error
+
+
+def load_configured_model(config: Config, name: str | None = None):
+    """(model, tokenizer, source) for `name` (default: model.name) with the config's model settings."""
+    m = config.model
+    return load_model(
+        name or m.name,
+        dtype=m.dtype,
+        device=m.device,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+        backend=m.backend,
+    )
+
+
+def check_fused_lm_head(config: Config, model) -> bool:
+    """Whether the update runs the fused LM-head kernels on `model`; a ConfigError now if
+    train.fused_lm_head asks for kernels that cannot run there."""
+    try:
+        return use_fused_lm_head(config.train.fused_lm_head, model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def build_trainer(
+    config: Config, model, tokenizer, ref_model=None, *, rewards: RewardSet | None = None
+) -> Trainer:
+    """The Trainer for an already-made policy `model` (and, when algo.beta != 0, its frozen
+    reference `ref_model`, None otherwise): sets the model up for training as configured and
+    builds the optimizer, schedule, rewards (default: config.rewards) and stop ids.
+
+    `train` builds its Trainer here; so can a caller with its own models, such as
+    benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
+    """
+    fused = check_fused_lm_head(config, model)
+    if (ref_model is None) != (config.algo.beta == 0):
+        raise ValueError(
+            f"algo.beta={config.algo.beta} needs "
+            + ("a frozen reference model" if ref_model is None else "no reference model (None)")
+        )
+    native = isinstance(model, Transformer)
+    if config.model.gradient_checkpointing and native:
+        model.activation_checkpointing = True
+    elif config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if not native:
+        model.config.use_cache = True
+    if ref_model is not None:
+        ref_model.requires_grad_(False).eval()
+    t = config.train
+    check_training_precision(config, model)
+    optimizer = ModelOptimizer(
+        model,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        master_weights=t.master_weights,
+        rounding=t.bf16_rounding,
+    )
+    scheduler = build_scheduler(
+        optimizer.adamw,
+        kind=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps * t.num_iterations * t.mini_batches,
+    )
+    settings = LossSettings.from_config(config)
+    return Trainer(
+        model,
+        ref_model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        rewards if rewards is not None else build_rewards(config),
+        stop_token_ids(tokenizer, model),
+        settings,
+        choose_loss(settings, fused),
+        fused,
+    )
+
+
+def check_training_precision(config: Config, model) -> None:
+    """Refuse fp16 training; warn when train.master_weights=off would round the updates away."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if any(p.dtype == torch.float16 for p in params):
+        raise ConfigError(
+            "model.dtype=float16 cannot train here: fp16 gradients underflow without loss "
+            "scaling, which fastgrpo does not do. Use model.dtype=bfloat16 (same memory and "
+            "speed, fp32's range; the default on GPUs that have it) or float32."
+        )
+    if config.train.master_weights == "off":
+        lost = rounded_away_fraction(params, config.train.learning_rate)
+        if lost > 0.5:
+            log.warning(
+                "train.master_weights=off: a step of lr %.3g is below half a bf16 ulp for %.0f%% "
+                "of the weights, so AdamW's updates to them round away; use "
+                "train.master_weights=auto (fp32 master weights) or a larger learning rate",
+                config.train.learning_rate,
+                100 * lost,
+            )
