@@ -35,7 +35,8 @@ from bench_rollout import commit  # noqa: E402
 
 from fastgrpo.config import load_config  # noqa: E402
 from fastgrpo.models import load_model, stop_token_ids
-from fastgrpo.models.loading import load_tokenizer, resolve_device, resolve_dtype, resolve_model
+from fastgrpo.models.loading import load_tokenizer
+from fastgrpo.models.sources import resolve_device, resolve_dtype, resolve_model
 from fastgrpo.rewards import RewardSet, math_accuracy
 from fastgrpo.train import run_training
 from fastgrpo.train.checkpoint import latest_checkpoint, load_trainer_state

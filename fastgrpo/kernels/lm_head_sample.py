@@ -47,6 +47,7 @@ import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.sample_tokens import check_sampling_args
+from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
 from fastgrpo.kernels.support import (
     LN2,
     LOG2E,
@@ -94,8 +95,6 @@ _failed = False  # set when the kernel did not compile here: the logits path ser
 
 def lm_head_sample_ref(hidden, weight, temperature: float, seeds, step):
     """(tokens (B,) int64, logp (B,) fp32): fp32 logits by torch, then the torch sampler."""
-    from fastgrpo.rollout.sampling import SamplingParams, sample_tokens_torch
-
     logits = hidden.float() @ weight.float().t()  # (B, V)
     return sample_tokens_torch(logits, SamplingParams(temperature), seeds, step)
 

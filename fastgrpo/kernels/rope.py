@@ -15,7 +15,7 @@ tables do (angles cat(freqs, freqs)); the kernel applies the transpose, so it ho
 
 Why: a decode step of the 0.5B model at 64 rows takes 3.3 ms on an H100, ~2 ms of it in small
 elementwise kernels of 1.5-4 us each, ~20 per layer (benchmarks/results/profile_decode_step_h100_v2
-.txt). `transformer.apply_rope` is a cat, two multiplies and an add for q and again for k (plus a
+.txt). `apply_rope` (the model's PyTorch path) is a cat, two multiplies and an add for q and again for k (plus a
 negation); here one launch reads each head once and writes it back. In training, torch's autograd
 runs about as many kernels again backward (two multiplies, the negation, slice gradients and
 their sum, for q and for k); here one launch rotates both gradients back.
@@ -45,6 +45,14 @@ if triton is not None:
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D) rotated by cos/sin (T, D), in the rotate_half convention of HF: the
+    model's RoPE (its PyTorch path), and the spec of the kernels here."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
 def apply_rope_qk_ref(
     q: torch.Tensor,  # (T, nh, D)
     k: torch.Tensor,  # (T, nkv, D)
@@ -52,8 +60,6 @@ def apply_rope_qk_ref(
     sin: torch.Tensor,  # (T, D)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotated q, rotated k), new tensors, by the model's `apply_rope`."""
-    from fastgrpo.models.transformer import apply_rope
-
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 

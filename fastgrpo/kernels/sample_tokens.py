@@ -30,7 +30,7 @@ torch bit for bit is not needed for correct sampling, so this version trades it 
 us at B = 64 and 87.6 us at B = 256 on the H100 (benchmarks/tune_sampler.py), against 1.8 and 6.9
 ms for the torch sampler.
 
-Same noise up to rounding: the uniform r and its clamps are bitwise `sampling._gumbel`'s; the logs
+Same noise up to rounding: the uniform r and its clamps are bitwise `sampling_ref._gumbel`'s; the logs
 differ from torch's in the last bits (fast log2 on a GPU, numpy's in the interpreter), so tokens
 agree with the torch sampler except at near-ties (the tests skip rows whose two best scores are
 within 1e-5).
@@ -45,6 +45,7 @@ import math
 import torch
 
 from fastgrpo.kernels import pdl
+from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
 from fastgrpo.kernels.support import LN2, LOG2E, _interpreting, triton
 
 if triton is not None:
@@ -58,8 +59,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def sample_tokens_fused_ref(logits, temperature: float, seeds, step):
     """(tokens (B,) int64, logp (B,) fp32) by the torch sampler with no top-k / top-p: the spec."""
-    from fastgrpo.rollout.sampling import SamplingParams, sample_tokens_torch
-
     return sample_tokens_torch(logits, SamplingParams(temperature), seeds, step)
 
 
@@ -98,7 +97,7 @@ if triton is not None:
 
     @triton.jit
     def _row_keys(seeds_ptr, seed_stride, step_ptr, step_stride, row):
-        """(lo, hi) uint32: the halves of the row's splitmix64 state, as `sampling.row_state`."""
+        """(lo, hi) uint32: the halves of the row's splitmix64 state, as `sampling_ref.row_state`."""
         seed = tl.load(seeds_ptr + row * seed_stride).to(tl.uint64, bitcast=True)
         step = tl.load(step_ptr + row * step_stride).to(tl.uint64, bitcast=True)
         state = _mix64(_mix64(seed + _GOLDEN) + step * _GOLDEN)
@@ -113,7 +112,7 @@ if triton is not None:
 
     @triton.jit
     def _noise_log2(cols, lo, hi, FAST: tl.constexpr):
-        """-log2(L), L = Exp(1) * log2(e) from the uniform of `sampling.column_bits`: the Gumbel
+        """-log2(L), L = Exp(1) * log2(e) from the uniform of `sampling_ref.column_bits`: the Gumbel
         noise g times log2(e), less the constant log2(ln 2)."""
         bits = _lowbias32(_lowbias32(cols.to(tl.uint32) ^ lo) ^ hi)
         r = tl.minimum(tl.maximum(bits.to(tl.float32) * _R_SCALE, _R_MIN), _R_MAX)
@@ -345,7 +344,7 @@ def sample_tokens_fused(
 
 def noise_log2(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:  # (B, V)
     """The noise the kernel adds to z * log2(e), written out (a test helper: no input checks).
-    `noise_log2(...) * ln 2 - ln(ln 2)` is the Gumbel noise `sampling._gumbel` draws."""
+    `noise_log2(...) * ln 2 - ln(ln 2)` is the Gumbel noise `sampling_ref._gumbel` draws."""
     if triton is None:
         raise RuntimeError("the fused Triton sampler needs `pip install triton`")
     B = seeds.shape[0]
@@ -365,5 +364,5 @@ def noise_log2(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Ten
 
 
 def gumbel_noise(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:  # (B, V)
-    """The kernel's noise in natural units, comparable to `sampling._gumbel` (a test helper)."""
+    """The kernel's noise in natural units, comparable to `sampling_ref._gumbel` (a test helper)."""
     return noise_log2(seeds, step, vocab) * LN2 - math.log(LN2)

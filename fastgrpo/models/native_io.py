@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.models.loading import (
+from fastgrpo.models.sources import (
     ModelNotFoundError,
     resolve_device,
     resolve_dtype,

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.decode_attention import ProjectedParts
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
-from fastgrpo.kernels.rope import apply_rope_qk_, rope_qk_train
+from fastgrpo.kernels.rope import apply_rope, apply_rope_qk_, rope_qk_train
 from fastgrpo.kernels.support import triton
 from fastgrpo.kernels.swiglu import silu_mul, silu_mul_linear_train
 from fastgrpo.kernels.token_inputs import embed_and_angles
@@ -306,13 +306,6 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor, bound: int, dtype: torch.dtype):
         self.reserve(bound, positions.device)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, D) each
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D) rotated by cos/sin (T, D), in the rotate_half convention of HF."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class Attention(nn.Module):

@@ -11,8 +11,9 @@ from kernel_cases import UncompilableKernel
 
 from fastgrpo.kernels import lm_head_sample as ops
 from fastgrpo.kernels.rms_norm import add_rms_norm
+from fastgrpo.kernels.sampling_ref import _gumbel
 from fastgrpo.rollout import SamplingParams
-from fastgrpo.rollout.sampling import _gumbel, sample_from_hidden, sample_tokens
+from fastgrpo.rollout.sampling import sample_from_hidden, sample_tokens
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(

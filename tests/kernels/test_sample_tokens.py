@@ -17,8 +17,9 @@ import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
 from fastgrpo.kernels import sample_tokens as ops
+from fastgrpo.kernels import sampling_ref
+from fastgrpo.kernels.sampling_ref import _gumbel
 from fastgrpo.rollout import SamplingParams, sample_tokens, sampling
-from fastgrpo.rollout.sampling import _gumbel
 
 pytestmark = NEEDS_TRITON
 
@@ -206,7 +207,7 @@ def test_sample_tokens_runs_the_kernel_for_plain_settings_on_cuda_only(monkeypat
         want, _ = sampling.sample_tokens_torch(logits, params, seeds, step)
         assert bool(calls) == fused, params
         gap = _reference_gap(
-            sampling._filter(logits.float(), params), params.temperature, seeds, step
+            sampling_ref._filter(logits.float(), params), params.temperature, seeds, step
         )
         _assert_same_tokens(tokens, want, gap)
     monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)  # FASTGRPO_FUSED_SAMPLER=0

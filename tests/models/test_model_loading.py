@@ -13,7 +13,7 @@ from fastgrpo.models import (
     resolve_model,
     stop_token_ids,
 )
-from fastgrpo.models.loading import find_packaged_gguf, resolve_dtype
+from fastgrpo.models.sources import find_packaged_gguf, resolve_dtype
 from fastgrpo.rollout import generate_rollout
 
 

@@ -34,9 +34,9 @@ from fastgrpo.models import (
 )
 from fastgrpo.models import attention as attention_module
 from fastgrpo.models.attention import VARLEN, packed_positions
-from fastgrpo.models.loading import cache_dir
 from fastgrpo.models.native_io import save_safetensors
 from fastgrpo.models.packed import PackedLinears, packed_linear
+from fastgrpo.models.sources import cache_dir
 from fastgrpo.models.transformer import Llama3RopeScaling
 
 SMOLLM2 = cache_dir() / "models" / "smollm2-135m-instruct"

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from fastgrpo.kernels.decode_attention import decode_attention_ref
-from fastgrpo.models.loading import cache_dir
+from fastgrpo.models.sources import cache_dir
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.decode import PrefillInputs, WaveBuffers, prefill_rows, prompt_buckets
 from fastgrpo.rollout.engine import RolloutEngine

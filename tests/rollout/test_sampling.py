@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
+from fastgrpo.kernels.sampling_ref import _filter, _gumbel, _mix64, column_bits
 from fastgrpo.rollout import SamplingParams, sample_tokens
-from fastgrpo.rollout.sampling import _filter, _gumbel, _mix64, column_bits
 
 ALPHA = 1e-8
 N = 150_000  # samples per distribution test: a 3% error in the temperature fails several
