@@ -71,7 +71,7 @@ DEFAULT_IMPORTANCE_SAMPLING_CAP = 2.0
 # --- per-token surrogates: return (loss, low_clipped, high_clipped), all (B, T) ----------------
 
 
-def _clipped_surrogate(coef_1, adv, logp, *, epsilon_low, epsilon_high, delta):
+def clipped_surrogate(coef_1, adv, logp, *, epsilon_low, epsilon_high, delta):
     """PPO-style clipped objective, negated. ``adv`` is (B, 1)."""
     coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)  # (B, T)
     low_clipped = (coef_1 < 1 - epsilon_low) & (adv < 0)  # (B, T)
@@ -82,7 +82,7 @@ def _clipped_surrogate(coef_1, adv, logp, *, epsilon_low, epsilon_high, delta):
     return loss, low_clipped, high_clipped
 
 
-def _cispo_surrogate(coef_1, adv, logp, *, epsilon_low, epsilon_high, delta):
+def cispo_surrogate(coef_1, adv, logp, *, epsilon_low, epsilon_high, delta):
     """CISPO: REINFORCE on ``logp`` weighted by the detached ratio capped at ``epsilon_high``."""
     weight = torch.clamp(coef_1, max=epsilon_high).detach()  # (B, T)
     loss = -weight * adv * logp  # (B, T)
@@ -113,12 +113,12 @@ class _LossSpec(NamedTuple):
 
 
 _LOSS_SPECS = {
-    "grpo": _LossSpec(_clipped_surrogate, _aggregate_sequence_mean, None),
-    "bnpo": _LossSpec(_clipped_surrogate, _aggregate_token_mean, None),
-    "dr_grpo": _LossSpec(_clipped_surrogate, _aggregate_constant_length, None),
-    "dapo": _LossSpec(_clipped_surrogate, _aggregate_token_mean, None),
-    "gspo": _LossSpec(_clipped_surrogate, _aggregate_sequence_mean, "sequence"),
-    "cispo": _LossSpec(_cispo_surrogate, _aggregate_token_mean, None),
+    "grpo": _LossSpec(clipped_surrogate, _aggregate_sequence_mean, None),
+    "bnpo": _LossSpec(clipped_surrogate, _aggregate_token_mean, None),
+    "dr_grpo": _LossSpec(clipped_surrogate, _aggregate_constant_length, None),
+    "dapo": _LossSpec(clipped_surrogate, _aggregate_token_mean, None),
+    "gspo": _LossSpec(clipped_surrogate, _aggregate_sequence_mean, "sequence"),
+    "cispo": _LossSpec(cispo_surrogate, _aggregate_token_mean, None),
 }
 
 

@@ -26,20 +26,22 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.algo.kl import kl_penalty
-from fastgrpo.algo.losses import _cispo_surrogate, _clipped_surrogate
 from fastgrpo.kernels import lm_head_backward as backward_gemms
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.kernels.lm_head_stats import ChunkStats, lm_head_stats_triton
 from fastgrpo.kernels.support import _interpreting, aligned_empty, kernel_dtype, triton
-from fastgrpo.kernels.token_loss import token_loss_and_grads
+from fastgrpo.kernels.token_loss import (
+    TOKEN_LEVEL_LOSSES,
+    loss_and_grads,
+    per_token_loss,
+    token_loss_and_grads,
+)
 
 if triton is not None:
     import triton.language as tl
 
     from fastgrpo.kernels.support import _LN2, _LOG2E
 
-TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 # one chunk of bf16 (rows, V) values: ~2k rows at a 152k vocabulary
 DEFAULT_CHUNK_BYTES = 640 * 2**20
 # The two backward GEMMs: "triton" (lm_head_backward: rows known to have no gradient skipped, on
@@ -69,44 +71,6 @@ def token_weights(
         m.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=m.device).to(dtype)
     )
     return m / tokens.clamp(min=1.0)
-
-
-def per_token_loss(
-    logp,
-    old_logp,
-    ref_logp,
-    advantages,
-    entropy,
-    sampling_logp,
-    *,
-    loss_type="grpo",
-    beta=0.0,
-    kl_estimator="k3",
-    epsilon_low=0.2,
-    epsilon_high=None,
-    delta=None,
-    entropy_coef=0.0,
-    importance_sampling_cap=2.0,
-):
-    """Per-token loss of packed rows (N,): the token-level part of `algo.policy_loss`."""
-    if loss_type not in TOKEN_LEVEL_LOSSES:
-        raise ValueError(
-            f"per_token_loss handles token-level losses {TOKEN_LEVEL_LOSSES}, not {loss_type!r}"
-        )
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    old_logp = logp.detach() if old_logp is None else old_logp
-    coef_1 = torch.exp(logp - old_logp)
-    surrogate = _cispo_surrogate if loss_type == "cispo" else _clipped_surrogate
-    loss, _, _ = surrogate(
-        coef_1, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta
-    )
-    if sampling_logp is not None:
-        loss = loss * torch.clamp(torch.exp(old_logp - sampling_logp), max=importance_sampling_cap)
-    if beta != 0.0:
-        loss = loss + beta * kl_penalty(logp, ref_logp, kl_estimator)
-    if entropy_coef != 0.0:
-        loss = loss - entropy_coef * entropy
-    return loss
 
 
 def lm_head_grpo_loss_ref(
@@ -355,20 +319,6 @@ def _add_matmul_f32_(out, a, b):
         return out.add_(torch.mm(a.float(), b.float()))
 
 
-def _loss_and_grads(loss_fn, logp, entropy, fill_unused=True):
-    """loss_fn(logp, entropy) and its derivatives with respect to both (zeros where unused, or
-    None for an unused entropy without `fill_unused`)."""
-    with torch.enable_grad():
-        logp_leaf = logp.detach().requires_grad_()
-        entropy_leaf = entropy.detach().requires_grad_()
-        loss = loss_fn(logp_leaf, entropy_leaf)
-        g, ge = torch.autograd.grad(loss, (logp_leaf, entropy_leaf), allow_unused=True)
-    g = torch.zeros_like(logp) if g is None else g
-    if ge is None:
-        return loss.detach(), g.contiguous(), torch.zeros_like(logp) if fill_unused else None
-    return loss.detach(), g.contiguous(), ge.contiguous()
-
-
 class _FusedLMHeadLoss(torch.autograd.Function):
     """Loss and gradients in the forward call; backward scales them by the incoming gradient.
 
@@ -416,7 +366,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                     hidden[start:end], weight, targets[start:end], temperature
                 )
                 logp[start:end], entropy[start:end], lse[start:end] = stats
-            loss, g_all, ge_all = _loss_and_grads(whole_loss, logp, entropy, fill_unused=False)
+            loss, g_all, ge_all = loss_and_grads(whole_loss, logp, entropy, fill_unused=False)
             entropy_grad = ge_all is not None
         parts = []  # the chunks' loss terms, added once at the end
         # bf16 probabilities for bf16 models; fp32 for fp32 models and under the interpreter

@@ -3,7 +3,7 @@
 What: for packed rows (N,) with their log-probs and entropies (from the statistics kernel), the
 old / reference / sampling log-probs, advantages and aggregation weights, one kernel computes each
 row's weighted loss term w * l and the derivatives g = w * dl/dlogp and ge = w * dl/dentropy, for
-every token-level variant of `kernels.lm_head_grpo_loss.per_token_loss`: the clipped ratio (with
+every token-level variant of `per_token_loss`: the clipped ratio (with
 the two-sided `delta` cap) or CISPO's capped REINFORCE weight, the truncated importance-sampling
 correction, the k1/k2/k3 KL penalty and the entropy bonus. Settings are run-time arguments.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.algo.kl import KL_ESTIMATORS
+from fastgrpo.algo.kl import KL_ESTIMATORS, kl_penalty
+from fastgrpo.algo.losses import cispo_surrogate, clipped_surrogate
 from fastgrpo.kernels.support import _interpreting, triton
 
 if triton is not None:
@@ -27,16 +28,68 @@ if triton is not None:
 
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 KL_CODE = {"k1": 1, "k2": 2, "k3": 3}
+TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def per_token_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    entropy,
+    sampling_logp,
+    *,
+    loss_type="grpo",
+    beta=0.0,
+    kl_estimator="k3",
+    epsilon_low=0.2,
+    epsilon_high=None,
+    delta=None,
+    entropy_coef=0.0,
+    importance_sampling_cap=2.0,
+):
+    """Per-token loss of packed rows (N,): the token-level part of `algo.policy_loss`."""
+    if loss_type not in TOKEN_LEVEL_LOSSES:
+        raise ValueError(
+            f"per_token_loss handles token-level losses {TOKEN_LEVEL_LOSSES}, not {loss_type!r}"
+        )
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    old_logp = logp.detach() if old_logp is None else old_logp
+    coef_1 = torch.exp(logp - old_logp)
+    surrogate = cispo_surrogate if loss_type == "cispo" else clipped_surrogate
+    loss, _, _ = surrogate(
+        coef_1, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta
+    )
+    if sampling_logp is not None:
+        loss = loss * torch.clamp(torch.exp(old_logp - sampling_logp), max=importance_sampling_cap)
+    if beta != 0.0:
+        loss = loss + beta * kl_penalty(logp, ref_logp, kl_estimator)
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * entropy
+    return loss
+
+
+def loss_and_grads(loss_fn, logp, entropy, fill_unused=True):
+    """loss_fn(logp, entropy) and its derivatives with respect to both (zeros where unused, or
+    None for an unused entropy without `fill_unused`)."""
+    with torch.enable_grad():
+        logp_leaf = logp.detach().requires_grad_()
+        entropy_leaf = entropy.detach().requires_grad_()
+        loss = loss_fn(logp_leaf, entropy_leaf)
+        g, ge = torch.autograd.grad(loss, (logp_leaf, entropy_leaf), allow_unused=True)
+    g = torch.zeros_like(logp) if g is None else g
+    if ge is None:
+        return loss.detach(), g.contiguous(), torch.zeros_like(logp) if fill_unused else None
+    return loss.detach(), g.contiguous(), ge.contiguous()
 
 
 def token_loss_and_grads_ref(logp, entropy, old, ref, sampling, adv, weights, settings):
     """(sum of w * l, g, ge) by autograd through `per_token_loss`: the spec."""
-    from fastgrpo.kernels.lm_head_grpo_loss import _loss_and_grads, per_token_loss
 
     def loss_fn(lp, ent):
         return (weights * per_token_loss(lp, old, ref, adv, ent, sampling, **settings)).sum()
 
-    return _loss_and_grads(loss_fn, logp, entropy)
+    return loss_and_grads(loss_fn, logp, entropy)
 
 
 if triton is not None:
