@@ -96,7 +96,7 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per inner epoch
     # token budget of one forward/backward (the native model: tokens fed, each shared prompt once;
     # transformers models: padded rows); fewer, larger micro-batches cost less host time per step
-    # (benchmarks/NOTES.md, issue 5); lower it for larger models or longer completions
+    # (benchmarks/HISTORY.md, issue 5); lower it for larger models or longer completions
     micro_batch_tokens: int = 12288
     fused_lm_head: str = "auto"  # auto (Triton on CUDA) | on | off: fused LM-head loss kernels
     # auto | fp32: AdamW steps fp32 masters of bf16 weights, fp32 moments (the bf16 weights are

@@ -6,7 +6,7 @@ the fused loss's relative probabilities, whose row scale it applies separately),
 - `add_dw_(dw, dz, hidden, n_rows)`: dW += dz[:n]^T @ hidden[:n], accumulated in fp32 inside the
   kernel, then added to `dw`: an fp32 dW by the program (read, add, write); a bf16 dW by a bulk
   tensor reduce that adds the tile, rounded to bf16, in L2 (the program never reads dW; two
-  roundings per chunk instead of one, within the fused loss's error budget: NOTES.md);
+  roundings per chunk instead of one, within the fused loss's error budget: benchmarks/HISTORY.md);
 - `dh(dz, weight, n_rows)`: dH = dz @ W in fp32 (C, H), split over the vocabulary (split-K) into
   fixed partial sums that are added in a fixed order, so the result is deterministic.
 `n_rows` is a device tensor: only the first n rows can carry a gradient (the caller orders rows so),

@@ -513,7 +513,7 @@ def _dw_in_fp32(n_chunks, dtype) -> bool:
     """Sum dW across chunks in fp32? Only for fp32 weights or more than 16 chunks. Otherwise each
     chunk's GEMM accumulates in fp32 and rounds once into the bf16 sum: no fp32 [V, H] buffer
     (0.51 GiB at V=152k, H=896; 2 GiB at H=3584) and half the read-modify-write traffic. Measured
-    on the H100 (benchmarks/NOTES.md): at 16 chunks the dW error against fp64 was 2.69e-3, against
+    on the H100 (benchmarks/HISTORY.md): at 16 chunks the dW error against fp64 was 2.69e-3, against
     2.38e-3 summed in fp32 and 4.95e-3 for plain PyTorch in bf16 (the issue allows 2x the last)."""
     if dtype == torch.float32 or _interpreting():
         return True

@@ -20,7 +20,7 @@ merges the programs per row (ties: the lowest column).
 Why: the cuBLAS LM head at 64 rows of the 0.5B shape (272 MB of weight) took 109 us, then the
 sampler, compute-bound (a 32-bit hash, two log2 and an exp2 per column), 27 us more; a plain
 Triton fusion took 130 us (each program's epilogue stalled its own loads). Here: 109.5 us for
-both, 98.6 greedy, alone in a graph, with one warpgroup (benchmarks/NOTES.md); two warpgroups
+both, 98.6 greedy, alone in a graph, with one warpgroup (benchmarks/HISTORY.md); two warpgroups
 are ~2 us slower alone but -2.9 us per replayed step; with log2 flushing subnormals (no fix-up
 instructions around each MUFU.LG2) 104.2 us alone and -6.7 to -7.2 us per replayed step. The
 sampling epilogue is still not hidden behind the weight's stream: greedy takes 98 us. In the
@@ -135,7 +135,7 @@ if gluon is not None:
     def _fast_log2(x):
         # lg2.approx.ftz.f32: one MUFU.LG2, as libdevice.fast_log2f in sample_tokens. Without .ftz
         # ptxas adds three instructions per call for subnormal inputs, which never come here (the
-        # inputs are >= 2**-33): -6.9 us alone, ~-7 us per replayed decode step (NOTES.md)
+        # inputs are >= 2**-33): -6.9 us alone, ~-7 us per replayed decode step (benchmarks/HISTORY.md)
         return gl.inline_asm_elementwise(
             "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
         )

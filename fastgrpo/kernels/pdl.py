@@ -8,7 +8,7 @@ kernel waits the same way, all earlier ones too). Between the two a kernel may s
 what no kernel of the step writes: `prefetch_l2` pulls weight rows into L2.
 
 Why: a decode step of the 0.5B model is ~200 kernels of 3-10 us, each paying a fixed ~3.5 us of
-launch, ramp-up and tail (benchmarks/NOTES.md). With PDL the next kernel is resident and its
+launch, ramp-up and tail (benchmarks/HISTORY.md). With PDL the next kernel is resident and its
 weights are on their way while the previous one drains.
 
 Reference: with `FASTGRPO_PDL=0`, on other GPUs, under the interpreter, or with a Triton without
