@@ -14,7 +14,7 @@ Training time is the sum of the 30 steps' times (rollout, reward, update), evalu
 Prints a table, then one JSON line; `--out` receives the JSON and an accuracy-against-time PNG
 (matplotlib; `--plot RESULT.json` redraws a PNG from a saved result).
 
-    python benchmarks/bench_learning.py --model SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+    python -m benchmarks.bench_learning --model SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ import copy
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import commit  # noqa: E402
-
+from benchmarks.bench_rollout import commit  # noqa: E402
 from fastgrpo.config import load_config  # noqa: E402
 from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.models.loading import load_tokenizer

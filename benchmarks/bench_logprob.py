@@ -6,7 +6,7 @@ shape: median time (CUDA events via triton.testing.do_bench), peak extra memory 
 the returned gradients, as PERFORMANCE.md counts it; also reported with the gradients),
 TFLOP/s over 6*N*H*V and the ratio to the 6NHV floor at 800 TFLOP/s. Also: scoring only (log-prob +
 entropy) and the fused call with half the groups at zero advantage. Prints a table, then one JSON
-line. Run on a CUDA GPU:  python benchmarks/bench_logprob.py [--quick]
+line. Run on a CUDA GPU:  python -m benchmarks.bench_logprob [--quick]
 """
 
 from __future__ import annotations
@@ -15,12 +15,8 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.kernels import lm_head_grpo_loss as fused_module  # noqa: E402
 from fastgrpo.kernels.lm_head_grpo_loss import (  # noqa: E402

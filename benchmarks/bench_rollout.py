@@ -14,7 +14,7 @@ without the setup of the two timed rollouts; while the prefill ran eagerly, its 
 time moved the difference by up to ~5% from run to run). The floor is the bytes one step must read
 (weights + the average KV cache) over the copy bandwidth measured in the same run. D also with
 the prefill run eagerly (no prefill graph), 256 tokens and 1. Prints a table, then one JSON line.
-Run on a CUDA GPU:  python benchmarks/bench_rollout.py [--quick] [--no-hf]
+Run on a CUDA GPU:  python -m benchmarks.bench_rollout [--quick] [--no-hf]
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.models.transformer import ModelConfig, Transformer  # noqa: E402
 from fastgrpo.rollout import decode  # noqa: E402

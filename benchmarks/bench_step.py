@@ -38,8 +38,8 @@ for allocation, Triton compilation and CUDA graph capture), completion tokens/s,
 phases (its time/* step metrics, medians), and peak GPU memory (torch.cuda.max_memory_allocated,
 less what the process held before the method started). Prints a table, then one JSON line.
 
-Run on a CUDA GPU:  python benchmarks/bench_step.py [--shape 1.5B] [--trl]
-Smoke test on CPU:  python benchmarks/bench_step.py --tiny --device cpu --steps 1 --warmup 0
+Run on a CUDA GPU:  python -m benchmarks.bench_step [--shape 1.5B] [--trl]
+Smoke test on CPU:  python -m benchmarks.bench_step --tiny --device cpu --steps 1 --warmup 0
 """
 
 from __future__ import annotations
@@ -48,24 +48,19 @@ import argparse
 import gc
 import hashlib
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_rollout import (  # noqa: E402
+from benchmarks.bench_rollout import (  # noqa: E402
     SHAPES,
     hf_config,
     print_result_line,
     random_native_model,
     randomize,
 )
-
 from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
 from fastgrpo.data import Example  # noqa: E402
 from fastgrpo.train.loop import grpo_step  # noqa: E402

@@ -22,7 +22,7 @@ Here each program owns a block of output columns for all rows and streams its sl
 operands arrive by bulk tensor copies (TMA), which zero-fill past the edges, so the loop has no
 masks: alone 0.5-1.3 us faster per linear than cp.async pointer loads with bitwise the same
 results, neutral in the whole decode step (benchmarks/results/tune_decode_linear_tma_h100_v1.txt).
-`benchmarks/tune_decode_linear.py` measured where it wins: 64 rows, weights of at most ~9M elements
+`benchmarks/lab/tune_decode_linear.py` measured where it wins: 64 rows, weights of at most ~9M elements
 with K <= 1024 (q/k/v, o_proj, gate/up of the 0.5B shape), and the 0.5B down_proj (K = 4864) as
 split-K parts (8.5 us with the norm that reads it, against 10.7 for cuBLAS + norm); cuBLAS stays
 faster at 256 rows and for every 7B linear.

@@ -187,7 +187,7 @@ if triton is not None:
 def _dw_blocks(H: int, itemsize: int = 2, dw_itemsize: int = 4):
     """(BLOCK_V, BLOCK_H, BLOCK_R, num_warps, num_stages[, persistent[, reduce]]) for operands of
     `itemsize` bytes and a dW of `dw_itemsize`. Measured on the H100
-    (benchmarks/tune_lm_head_backward.py, 2048-row chunks; results v2 to v4):
+    (benchmarks/lab/tune_lm_head_backward.py, 2048-row chunks; results v2 to v4):
     - bf16 dW (the fused loss's default): the add into dW by a bulk tensor reduce in L2, so the
       programs never read dW: 256x128 tiles with 4 stages at H=896 (0.904 ms, 0.928 with the
       program's read-add-write; cuBLAS 0.910); at H=3584 128x256 tiles, one program per SM
@@ -206,7 +206,7 @@ def _dw_blocks(H: int, itemsize: int = 2, dw_itemsize: int = 4):
 
 def _dh_blocks(H: int, itemsize: int = 2):
     """(BLOCK_R, BLOCK_H, BLOCK_V, num_warps, num_stages). Measured on the H100
-    (benchmarks/tune_lm_head_backward.py, 2048-row chunks; results v2 to v5): at H=896, 256x128
+    (benchmarks/lab/tune_lm_head_backward.py, 2048-row chunks; results v2 to v5): at H=896, 256x128
     tiles with 4 stages (0.835 ms with 7 splits, against 0.882 for 128x256 tiles, whose last column
     block is half empty; cuBLAS 0.862); at H=3584, 128x256 tiles (3.1-3.4 ms, cuBLAS 3.2-3.3)."""
     if _interpreting():

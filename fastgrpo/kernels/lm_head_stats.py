@@ -265,7 +265,7 @@ def _blocks(H: int, itemsize: int = 2) -> tuple[int, ...]:
         return 16, 32, 16, 4, 1
     if itemsize == 4:
         return 128, 128, 32, 8, 3
-    # Measured on the H100 with TMA loads (benchmarks/tune_lm_head_stats.py, benchmarks/HISTORY.md): 128x256
+    # Measured on the H100 with TMA loads (benchmarks/lab/tune_lm_head_stats.py, benchmarks/HISTORY.md): 128x256
     # tiles, 64-wide k steps, 8 warps, 3 stages are the fastest at H=896 and H=3584 for scoring
     # (7.4 and 14.1 ms) and inside the fused training call. Scoring and training must share one
     # configuration to agree bitwise.

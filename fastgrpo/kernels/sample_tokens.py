@@ -27,7 +27,7 @@ whole-(B, V) int64 / fp32 passes); this reads the bf16 logits once (~20 MB at B 
 version hashed 64 bits per column and used libdevice's exact log1p / log to match the torch
 sampler bit for bit: ~130 instructions per column, 45 us at B = 64 (compute-bound). Matching
 torch bit for bit is not needed for correct sampling, so this version trades it for speed: 26.8
-us at B = 64 and 87.6 us at B = 256 on the H100 (benchmarks/tune_sampler.py), against 1.8 and 6.9
+us at B = 64 and 87.6 us at B = 256 on the H100 (benchmarks/lab/tune_sampler.py), against 1.8 and 6.9
 ms for the torch sampler.
 
 Same noise up to rounding: the uniform r and its clamps are bitwise `sampling_ref._gumbel`'s; the logs

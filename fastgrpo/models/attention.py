@@ -223,7 +223,7 @@ class PackedCausalAttention:
         """Inference (no autograd): the flash kernel that `varlen_attn` wraps, called directly.
         It takes grouped-query k/v as they are (no repeat to q's head count, which torch 2.11's
         `varlen_attn` needs), and skips the custom-op and autograd layers, ~0.2 ms of host time
-        per call on the H100 machine (benchmarks/profile_rollout_host.py)."""
+        per call on the H100 machine (benchmarks/lab/profile_rollout_host.py)."""
         bounds = self._flash_bounds()
         return torch.ops.aten._flash_attention_forward(q, k, v, *bounds, 0.0, True, False)[0]
 
@@ -302,7 +302,7 @@ class FlashVarlenCausal(torch.autograd.Function):
     Why: on torch 2.11 `varlen_attn` takes no grouped-query k/v, so k and v would be repeated to
     q's head count before the kernel (two copies per layer forward, two reductions backward), and
     its custom-op and autograd layers cost ~0.3 ms of host time per layer's backward on the H100
-    machine (benchmarks/profile_step.py). The flash kernels themselves take grouped k/v: the
+    machine (benchmarks/lab/profile_step.py). The flash kernels themselves take grouped k/v: the
     forward reads each k/v head for all its query heads, and the backward sums dk/dv over a
     group inside ATen. Same kernels, same numerics as `varlen_attn` on repeated k/v.
 

@@ -23,7 +23,7 @@ sublayer output between layers, as vLLM does, so each add fuses into the norm af
 The trainer on CUDA (its training passes and its scoring alike, so the two agree bitwise) takes
 `forward_train`: the same fusions as differentiable kernels, with one GEMM for q/k/v and one for
 gate/up; an eager training step of the 0.5B model was ~3,500 kernel launches per 4,096-token
-micro-batch and host-bound (benchmarks/profile_step.py). FASTGRPO_FUSED_OPS=0 turns both off;
+micro-batch and host-bound (benchmarks/lab/profile_step.py). FASTGRPO_FUSED_OPS=0 turns both off;
 the CPU never takes them.
 """
 
@@ -405,7 +405,7 @@ class DecoderLayer(nn.Module):
         into the norm after it (as `forward_fused` carries the stream), q/k/v and gate/up each
         one GEMM (`packed_linear`), and one differentiable Triton kernel forward and one backward
         for each add + RMSNorm, the RoPE of q and k, and SiLU * up. ~9 kernels per layer forward
-        and ~30 backward, against ~40 and ~85 for the PyTorch ops (benchmarks/profile_step.py).
+        and ~30 backward, against ~40 and ~85 for the PyTorch ops (benchmarks/lab/profile_step.py).
         Returns (MLP output, residual), (T, H) each."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm

@@ -19,7 +19,7 @@ and keeps its moments beside the masters, in fp32. Each optimizer step:
      per-parameter Python loop.
 Gradients accumulate across micro-batches in bf16, in autograd: on the real model that adds
 0.2-0.35% of error to a gradient whose bf16 compute already carries 4-6%
-(benchmarks/bench_grad_accumulation.py, results/grad_accumulation_*.json), while an fp32 buffer
+(benchmarks/lab/bench_grad_accumulation.py, results/grad_accumulation_*.json), while an fp32 buffer
 alive through every backward would cost 4 bytes a parameter at the peak.
 """
 

@@ -50,7 +50,7 @@ class PhaseTimer:
     timeline from its start marker to its end marker, so its kernels count in it and in no other
     phase, and the host can queue the next phase while the GPU finishes this one (a host-only
     phase, such as the reward's text round trip, spans the time the host spent on it). On the
-    CPU, wall time. `SYNCHRONIZE_PHASES` (set by benchmarks/profile_step.py, which attributes
+    CPU, wall time. `SYNCHRONIZE_PHASES` (set by benchmarks/lab/profile_step.py, which attributes
     kernels to phases by time) also makes the host wait for the GPU at each boundary.
     """
 

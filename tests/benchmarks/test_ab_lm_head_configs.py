@@ -1,18 +1,12 @@
-"""benchmarks/ab_lm_head_configs.py: its variants set exactly the kernel configurations they name
+"""benchmarks/lab/ab_lm_head_configs.py: its variants set exactly the kernel configurations they name
 and put the defaults back (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import ab_lm_head_configs as ab  # noqa: E402
-
-from fastgrpo.kernels import lm_head_backward, lm_head_stats, lm_head_stats_gluon  # noqa: E402
+from benchmarks.lab import ab_lm_head_configs as ab
+from fastgrpo.kernels import lm_head_backward, lm_head_stats, lm_head_stats_gluon
 
 
 def test_a_variant_sets_the_configurations_it_names_and_apply_restores_the_defaults():

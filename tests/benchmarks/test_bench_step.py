@@ -1,4 +1,4 @@
-"""benchmarks/bench_step.py runs end to end on a tiny model on the CPU and reports what it claims."""
+"""`python -m benchmarks.bench_step` runs end to end on a tiny model on the CPU and reports what it claims."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
+ROOT = Path(__file__).resolve().parents[2]
 PHASES = {"rollout", "reward", "reference", "old_logprobs", "update", "optimizer"}
 
 
@@ -15,7 +15,11 @@ def test_bench_step_times_real_grpo_steps_with_forced_completion_lengths():
     args = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
     args += ["--prompts", "2", "--samples", "4", "--prompt-len", "16", "--completion-len", "24"]
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "benchmarks.bench_step", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

@@ -4,7 +4,7 @@ Larger chunks mean fewer launches and fuller GEMMs but a larger buffer of (rows,
 and larger dH partial sums (~20 * H bytes per row). This sweeps the chunk size on the issue's
 shapes so the default budget (`lm_head_grpo_loss.DEFAULT_CHUNK_BYTES`) can be chosen from
 measurements. Prints a table, then one JSON line. Run on a CUDA GPU:
-    python benchmarks/tune_chunk_rows.py [--rows 2048 3072 4096]
+    python -m benchmarks.lab.tune_chunk_rows [--rows 2048 3072 4096]
 """
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_logprob import SHAPES, fused_loss, make_inputs, measure  # noqa: E402
-
+from benchmarks.bench_logprob import SHAPES, fused_loss, make_inputs, measure  # noqa: E402
 from fastgrpo.kernels.lm_head_grpo_loss import DEFAULT_CHUNK_BYTES, _chunk_rows  # noqa: E402
 
 

@@ -1,18 +1,14 @@
 """Run the LM-head statistics kernel a few times at one shape and configuration, for `ncu`.
 
     ncu --kernel-name regex:lm_head_stats --launch-skip 2 --launch-count 1 \
-        python benchmarks/profile_lm_head_stats.py --shape 16384x896x151936 --config 128,128,128,8,3
+        python -m benchmarks.lab.profile_lm_head_stats --shape 16384x896x151936 --config 128,128,128,8,3
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
 from fastgrpo.kernels.support import aligned_empty  # noqa: E402

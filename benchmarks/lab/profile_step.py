@@ -9,8 +9,8 @@ few warm-up steps, then records one step with torch.profiler and reads its Chrom
   and the launch path, not for arithmetic;
 - the kernels of the update phase that take the most GPU time.
 
-On a CUDA GPU:  python benchmarks/profile_step.py [--micro-batch-tokens N] [--top 25]
-Smoke test on CPU:  python benchmarks/profile_step.py --tiny --device cpu --warmup 0
+On a CUDA GPU:  python -m benchmarks.lab.profile_step [--micro-batch-tokens N] [--top 25]
+Smoke test on CPU:  python -m benchmarks.lab.profile_step --tiny --device cpu --warmup 0
 """
 
 from __future__ import annotations
@@ -20,18 +20,14 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import SHAPES  # noqa: E402
-from bench_step import PHASES, fastgrpo_trainer, random_prompts, synthetic_tokenizer  # noqa: E402
-
+from benchmarks.bench_rollout import SHAPES  # noqa: E402
+from benchmarks.bench_step import PHASES, fastgrpo_trainer, random_prompts, synthetic_tokenizer  # noqa: E402
 from fastgrpo.config import TrainConfig  # noqa: E402
 from fastgrpo.train import profiling  # noqa: E402
 from fastgrpo.train.loop import grpo_step  # noqa: E402

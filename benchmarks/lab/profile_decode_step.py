@@ -9,22 +9,16 @@ durations overlap) and its "frontier" time (how far its end moves past the ends 
 before it: its share of the step when kernels form a chain) and the idle time just before it
 starts (no kernel running), the decode step's span and how much of it no kernel covers.
 Run on a CUDA GPU:
-    python benchmarks/profile_decode_step.py [--prompts P --samples G] [--graph] [--new-tokens T]
+    python -m benchmarks.lab.profile_decode_step [--prompts P --samples G] [--graph] [--new-tokens T]
 """
 
 import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import PARAMS, native_model, prompts_of  # noqa: E402
-
+from benchmarks.bench_rollout import PARAMS, native_model, prompts_of  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 NEW_TOKENS = 33

@@ -5,23 +5,18 @@ Each sampler is timed as it runs in a decode step: 24 calls on 24 different logi
 the logits are not all in L2) captured in one CUDA graph, the graph replayed; the time per call is
 the replay time over 24. The floor is one read of the bf16 logits at the measured copy bandwidth.
 Prints a table, then one JSON line. Run on a CUDA GPU:
-    python benchmarks/tune_sampler.py [--rows 64 256]
+    python -m benchmarks.lab.tune_sampler [--rows 64 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
-from tune_decode_linear import LAYERS, time_per_call  # noqa: E402
-
+from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
+from benchmarks.lab.tune_decode_linear import LAYERS, time_per_call  # noqa: E402
 from fastgrpo.kernels.sample_tokens import _blocks, sample_tokens_fused  # noqa: E402
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens_torch  # noqa: E402
 

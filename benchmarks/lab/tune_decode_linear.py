@@ -8,7 +8,7 @@ adds up.
 Each op is timed as it runs in a decode step: 24 calls (one per layer, each with its own weights, so
 nothing stays in L2 between calls) captured in one CUDA graph, the graph replayed; the time per call
 is the replay time over 24. Prints a table, then one JSON line. Run on a CUDA GPU:
-    python benchmarks/tune_decode_linear.py [--rows 64 256] [--quick]
+    python -m benchmarks.lab.tune_decode_linear [--rows 64 256] [--quick]
 """
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
-
+from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
 from fastgrpo.kernels import decode_linear  # noqa: E402
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_triton  # noqa: E402
 from fastgrpo.kernels.swiglu import silu_mul_triton  # noqa: E402

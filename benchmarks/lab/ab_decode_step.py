@@ -48,23 +48,17 @@ Variants (`--variants`, the first is the baseline):
 With --replay each variant's engine is made once and its captured step is timed alone with CUDA
 events (`Replayed`), round after round: no prefill, allocation or host check in the samples.
 Prints a table, then one JSON line. Run on a CUDA GPU:
-    python benchmarks/ab_decode_step.py [--rounds 8] [--variants default attention-256-8-3 ...]
+    python -m benchmarks.lab.ab_decode_step [--rounds 8] [--variants default attention-256-8-3 ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
-
+from benchmarks.bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
 from fastgrpo.kernels import (  # noqa: E402
     decode_attention,
     decode_attention_gluon,

@@ -9,23 +9,17 @@ after which the host checks the finish flags (every `check_every` steps; the GPU
 host waits) and the others. For comparison: the same steps replayed back to back (as
 `--replay`), and the whole-rollout figure. Prints a table, then one JSON line.
 Run on a CUDA GPU:
-    python benchmarks/profile_rollout_steps.py [--rollouts 5] [--check-every 8] [--plain-looks]
+    python -m benchmarks.lab.profile_rollout_steps [--rollouts 5] [--check-every 8] [--plain-looks]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ab_decode_step import NEW_TOKENS, forced_length_engine, replayed_step_ms  # noqa: E402
-from bench_rollout import (  # noqa: E402
+from benchmarks.bench_rollout import (  # noqa: E402
     PARAMS,
     StepEvents,
     native_model,
@@ -33,6 +27,7 @@ from bench_rollout import (  # noqa: E402
     prompts_of,
     timed,
 )
+from benchmarks.lab.ab_decode_step import NEW_TOKENS, forced_length_engine, replayed_step_ms  # noqa: E402
 
 
 def main():

@@ -1,19 +1,15 @@
 """Where the fused LM-head loss spends its GPU time: torch.profiler over a few calls, one table of
 kernels by total CUDA time. Run on a CUDA GPU:
-    python benchmarks/profile_fused_loss.py [--shape 16384x896x151936] [--beta 0.04]
+    python -m benchmarks.lab.profile_fused_loss [--shape 16384x896x151936] [--beta 0.04]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_logprob import SETTINGS, fused_loss, make_inputs  # noqa: E402
+from benchmarks.bench_logprob import SETTINGS, fused_loss, make_inputs  # noqa: E402
 
 
 def main():

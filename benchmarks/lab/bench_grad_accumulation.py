@@ -11,7 +11,7 @@ real text: relative error of the bf16 model's gradient accumulated in bf16, and 
 fp32. If the two are close, the bf16 forward and backward dominate the error and fp32
 accumulation buys nothing. Prints a table, then one JSON line.
 
-    python benchmarks/bench_grad_accumulation.py [--model NAME] [--device cpu|cuda]
+    python -m benchmarks.lab.bench_grad_accumulation [--model NAME] [--device cpu|cuda]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each variant is a full `fastgrpo train` run (a subprocess), so this measures exa
 run. Used to choose the preset's learning rate, batch and temperature; on a GPU the whole sweep
 takes minutes. Prints a table, then one JSON line.
 
-    python benchmarks/sweep_quickstart.py --model PATH_OR_NAME --device cuda --dtype float32
+    python -m benchmarks.lab.sweep_quickstart --model PATH_OR_NAME --device cuda --dtype float32
 """
 
 from __future__ import annotations

@@ -11,23 +11,18 @@ dh = (BLOCK_R, BLOCK_H, BLOCK_V, warps, stages, splits); dw = `lm_head_backward.
 stats = `lm_head_stats._blocks`'s tuple; gluon = 0 or 1 (the training pass's statistics by the Gluon
 kernel on Hopper, `lm_head_stats_gluon`). A variant with no settings runs the defaults. Prints the
 median forward + backward time of each variant per round, then one JSON line.
-Run on a CUDA GPU:  python benchmarks/ab_lm_head_configs.py --shape 16384x896x151936 --variant ...
+Run on a CUDA GPU:  python -m benchmarks.lab.ab_lm_head_configs --shape 16384x896x151936 --variant ...
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_logprob import fused_loss, make_inputs  # noqa: E402
-from bench_rollout import print_result_line  # noqa: E402
-
+from benchmarks.bench_logprob import fused_loss, make_inputs  # noqa: E402
+from benchmarks.bench_rollout import print_result_line  # noqa: E402
 from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
 from fastgrpo.kernels import lm_head_stats as stats  # noqa: E402
 from fastgrpo.kernels import lm_head_stats_gluon  # noqa: E402

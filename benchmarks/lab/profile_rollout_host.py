@@ -2,7 +2,7 @@
 time that is not GPU work. Two cases on the 0.5B shape, 8 prompts x 8 samples, 128-token prompts:
 prefill and setup alone (1 new token, CUDA graphs on), and an eager rollout of 4 tokens (no graphs),
 5 calls each after 2 warm-up calls. Prints pstats tables (tottime, then cumtime). On a CUDA GPU:
-    python benchmarks/profile_rollout_host.py
+    python -m benchmarks.lab.profile_rollout_host
 """
 
 from __future__ import annotations
@@ -10,15 +10,10 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import PARAMS, native_model, prompts_of  # noqa: E402
-
+from benchmarks.bench_rollout import PARAMS, native_model, prompts_of  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 

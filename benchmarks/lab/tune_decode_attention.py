@@ -6,23 +6,18 @@ point; C, the 7B model (28 q heads, 4 kv heads, d 128) at 64 rows, prompt 256, h
 Each split count and block shape is timed as in `tune_decode_linear.py`: 24 calls (one per layer, each with its own
 cache) in one CUDA graph; with the floor of the bytes of keys and values read, at the copy
 bandwidth measured in the same run. Prints a table, then one JSON line. Run on a CUDA GPU:
-    python benchmarks/tune_decode_attention.py
+    python -m benchmarks.lab.tune_decode_attention
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
-from tune_decode_linear import LAYERS, time_per_call  # noqa: E402
-
+from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
+from benchmarks.lab.tune_decode_linear import LAYERS, time_per_call  # noqa: E402
 from fastgrpo.kernels import decode_attention  # noqa: E402
 
 # (BLOCK_N, num_warps, num_stages)

@@ -8,20 +8,17 @@ queue to drain before the host can go on; the two non-blocking forms do not.
 How: ~40 ms of matmuls are queued, then each form is timed on the host over many calls (a fresh
 host tensor each call, as the trainer makes them), at three sizes. Prints a table and one JSON line.
 
-Run on a CUDA GPU:  python benchmarks/bench_host_copies.py
+Run on a CUDA GPU:  python -m benchmarks.lab.bench_host_copies
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastgrpo.transfer import to_device  # noqa: E402
 
 SIZES = (1_000, 30_000, 300_000)  # int64 elements: 8 KB, 240 KB, 2.4 MB

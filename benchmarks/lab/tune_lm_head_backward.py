@@ -6,20 +6,16 @@ for each configuration, and cuBLAS's `addmm` / `mm` for the same work. Prints a 
 JSON line. The chosen defaults live in `fastgrpo.kernels.lm_head_backward._dw_blocks` and
 `_dh_blocks`. A dW configuration may end in persistent (one program per SM, one pipelined loop
 over tiles) and reduce (the add into dW done by a bulk tensor reduce in L2) flags.
-Run on a CUDA GPU:  python benchmarks/tune_lm_head_backward.py [--dw-configs "256,128,64,8,4,1,1"]
+Run on a CUDA GPU:  python -m benchmarks.lab.tune_lm_head_backward [--dw-configs "256,128,64,8,4,1,1"]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 from triton.testing import do_bench
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
 from fastgrpo.kernels.lm_head_grpo_loss import _add_matmul_f32_  # noqa: E402

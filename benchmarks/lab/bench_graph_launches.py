@@ -5,24 +5,19 @@ step (~220 per step at workload A of bench_rollout.py). Against it, what the sam
 grid-wide barriers costs inside one persistent kernel (one program per multiprocessor), the
 boundary a persistent decode-layer kernel would have instead. Prints a table, then one JSON line.
 Run on a CUDA GPU:
-    python benchmarks/bench_graph_launches.py [--launches 220]
+    python -m benchmarks.lab.bench_graph_launches [--launches 220]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_rollout import print_result_line  # noqa: E402
-from tune_decode_linear import time_per_call  # noqa: E402
-
+from benchmarks.bench_rollout import print_result_line  # noqa: E402
+from benchmarks.lab.tune_decode_linear import time_per_call  # noqa: E402
 from fastgrpo.kernels import pdl  # noqa: E402
 
 REPLAYS = 200

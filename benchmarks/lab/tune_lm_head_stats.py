@@ -4,7 +4,7 @@ For each (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and number of vocabulary spl
 (log-prob + entropy) and the fused GRPO loss forward + backward (which runs the same kernel with the
 logits store) on the issue's shapes, checks the log-probs against the fp32 reference, and prints a
 table, then one JSON line. The chosen defaults live in `fastgrpo.kernels.lm_head_stats._blocks`
-and `_num_splits`. Run on a CUDA GPU:  python benchmarks/tune_lm_head_stats.py [--shapes 16384x896]
+and `_num_splits`. Run on a CUDA GPU:  python -m benchmarks.lab.tune_lm_head_stats [--shapes 16384x896]
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_logprob import fused_loss, make_inputs  # noqa: E402
-
+from benchmarks.bench_logprob import fused_loss, make_inputs  # noqa: E402
 from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
 
 CONFIGS = [

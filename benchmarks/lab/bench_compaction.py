@@ -11,21 +11,15 @@ where two scores are that close, and its completion goes another way from there:
 rows whose completions are identical is reported, and the lengths' statistics. Also the replayed
 decode step at each bucket the compacted rollout ran at (slots 0-254, `replayed_step_ms`). Prints a table, then one
 JSON line.
-Run on a CUDA GPU:  python benchmarks/bench_compaction.py [--stride 200]
+Run on a CUDA GPU:  python -m benchmarks.lab.bench_compaction [--stride 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ab_decode_step import replayed_step_ms  # noqa: E402
-from bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
-
+from benchmarks.bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
+from benchmarks.lab.ab_decode_step import replayed_step_ms  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 64, 4, 128, 512
