@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 import yaml
+
+from fastgrpo import switches
 
 DESCRIPTION = """\
 Train language models with GRPO-family reinforcement learning.
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": run_train, "eval": run_eval, "config": run_config}[args.command](args)
     except (ConfigError, DatasetError, ModelNotFoundError) as error:
-        if os.environ.get("FASTGRPO_DEBUG"):
+        if switches.debug():
             raise
         print(f"error: {error}", file=sys.stderr)
         return 2

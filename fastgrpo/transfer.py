@@ -8,12 +8,12 @@ copies that read it have finished, so the host tensor may be dropped at once.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
+
 # FASTGRPO_PINNED_COPIES=0: plain (blocking) copies, to compare
-PINNED_COPIES = os.environ.get("FASTGRPO_PINNED_COPIES", "1") != "0"
+PINNED_COPIES = switches.PINNED_COPIES
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -46,11 +46,11 @@ step). It is the spec and the CPU path; `rope_decode_attention_ref` adds `rope.r
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import decode_attention_gluon, pdl
 from fastgrpo.kernels.kv_write import check_cache_write
 from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
@@ -67,14 +67,14 @@ if triton is not None:
     import triton.language as tl
 
 # FASTGRPO_DECODE_ATTENTION=ref keeps CUDA tensors on the reference (to compare or to bisect)
-USE_TRITON = os.environ.get("FASTGRPO_DECODE_ATTENTION", "triton") != "ref"
+USE_TRITON = switches.DECODE_ATTENTION_TRITON
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # FASTGRPO_ROPE_ATTENTION=0 keeps the decode step's RoPE + KV write a kernel of its own (to compare)
-ROPE_IN_ATTENTION = os.environ.get("FASTGRPO_ROPE_ATTENTION", "1") != "0"
+ROPE_IN_ATTENTION = switches.ROPE_IN_ATTENTION
 # FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
-SPLITS = int(os.environ.get("FASTGRPO_ATTENTION_SPLITS", "0"))
+SPLITS = switches.ATTENTION_SPLITS
 # FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
-BLOCKS = tuple(int(v) for v in os.environ.get("FASTGRPO_ATTENTION_BLOCKS", "").split(",") if v)
+BLOCKS = switches.ATTENTION_BLOCKS
 
 
 def decode_attention_ref(

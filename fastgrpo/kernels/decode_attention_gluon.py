@@ -51,10 +51,10 @@ Reference: `decode_attention.rope_decode_attention_ref`; the Triton kernel serve
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.support import (
     LOG2E,
@@ -73,7 +73,7 @@ if gluon is not None:  # support found triton's Gluon layer
 
     from fastgrpo.kernels.decode_linear_gluon import _pdl_start, _pdl_wait
 
-ENABLED = os.environ.get("FASTGRPO_GLUON_ATTENTION", "1") != "0"
+ENABLED = switches.GLUON_ATTENTION
 QUERY_ROWS = 16
 """The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
 PART_ROWS = 32

@@ -42,11 +42,10 @@ Reference: `linear_ref`, the model's own ops (F.linear, F.silu * up).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from fastgrpo import switches
 from fastgrpo.kernels import decode_linear_gluon, pdl
 from fastgrpo.kernels.decode_attention import ProjectedParts
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
@@ -66,7 +65,7 @@ if triton is not None:
     from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
 
 # FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
-ENABLED = os.environ.get("FASTGRPO_DECODE_LINEAR", "1") != "0"
+ENABLED = switches.DECODE_LINEAR
 KERNEL_DTYPES = (torch.bfloat16,)
 MAX_ROWS = 64
 """The most rows the kernel takes. At 256 rows cuBLAS was faster for all but o_proj. Past 64 rows
@@ -80,7 +79,7 @@ MAX_K = 1024
 long K leaves too few programs streaming too much (the 0.5B down_proj, K = 4864, lost). Longer
 ones go to `linear_split_sums` when their reader is a norm (SPLIT_SUMS)."""
 # FASTGRPO_SPLIT_SUMS=0 keeps down_proj on cuBLAS and o_proj whole (to compare)
-SPLIT_SUMS = os.environ.get("FASTGRPO_SPLIT_SUMS", "1") != "0"
+SPLIT_SUMS = switches.SPLIT_SUMS
 SHORT_K_RANGE = 384
 """The k range of a split-K product with K <= MAX_K whose reader is a norm (a layer's o_proj);
 0 runs those whole, in `linear`. At the 0.5B o_proj (K = 896: ranges of 384, 384 and 128, 42

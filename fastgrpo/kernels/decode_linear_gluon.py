@@ -40,10 +40,9 @@ Reference: `decode_linear.linear_ref`; the Triton kernel is the path everywhere 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.support import (
     _hopper,
@@ -68,12 +67,12 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel targets
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # FASTGRPO_GLUON_GATE_UP=0 keeps gate/up on the Triton kernel (to compare)
-ENABLED = os.environ.get("FASTGRPO_GLUON_GATE_UP", "1") != "0"
+ENABLED = switches.GLUON_GATE_UP
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 64, 16, 256, 4
 """Rows (all of a decode batch), output columns per tile, k step, ring stages: x takes up to
 4 x 32 KB of shared memory and the ring 4 x 16 KB."""
 MAX_K = 1024
-EXACT_EPILOGUE = os.environ.get("FASTGRPO_GLUON_GATE_UP_EXACT", "0") == "1"
+EXACT_EPILOGUE = switches.GLUON_GATE_UP_EXACT
 """silu with libdevice's exp and an IEEE division (the Triton kernel's numerics, bit for bit);
 off by default: the approximate ones are faster in the step (see Numerics above)."""
 DEPTH = 1

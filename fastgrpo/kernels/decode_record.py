@@ -21,10 +21,9 @@ Reference: `record_step_ref`, the torch ops, which is also the CPU path.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.support import triton
 
@@ -37,7 +36,7 @@ MAX_STOP_IDS = 1024
 COMPARES_PER_BLOCK = 8192
 """Rows per block times (padded) stop ids, the size of the kernel's compare tile."""
 # FASTGRPO_FUSED_RECORD=0 keeps the torch ops on CUDA too (to compare)
-ENABLED = os.environ.get("FASTGRPO_FUSED_RECORD", "1") != "0"
+ENABLED = switches.FUSED_RECORD
 
 
 def record_step_ref(

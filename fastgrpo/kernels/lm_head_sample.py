@@ -41,10 +41,9 @@ Reference: `lm_head_sample_ref`, fp32 logits by torch, then the torch sampler.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.sample_tokens import check_sampling_args
 from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
@@ -75,7 +74,7 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel targets
     from fastgrpo.kernels.decode_linear_gluon import _pdl_start, _pdl_wait
 
 # FASTGRPO_LM_HEAD_SAMPLER=0 keeps a decode step's logits in memory for the sampler (to compare)
-ENABLED = os.environ.get("FASTGRPO_LM_HEAD_SAMPLER", "1") != "0"
+ENABLED = switches.LM_HEAD_SAMPLER
 MAX_ROWS = 64
 """The most rows: all rows share each weight tile in one program (64 = one wgmma's M)."""
 BLOCK_B, BLOCK_V, BLOCK_K = 64, 128, 64

@@ -30,10 +30,9 @@ Triton kernel; the Triton kernel itself is the CPU (interpreter) and non-Hopper 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels.support import _hopper, _layout, gluon, triton, warn_not_compiled
 
 if gluon is not None:  # support found triton's Gluon layer; this kernel was written against 3.6
@@ -48,7 +47,7 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel was wri
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # FASTGRPO_GLUON=0 keeps the training pass on the Triton kernel (to compare)
-ENABLED = os.environ.get("FASTGRPO_GLUON", "1") != "0"
+ENABLED = switches.GLUON_LM_HEAD_STATS
 CONFIG = (128, 256, 64, 8, 3)
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the Triton kernel's configuration on the
 H100 (`lm_head_stats._blocks`), which this kernel must share to agree with it bit for bit."""

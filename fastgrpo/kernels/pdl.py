@@ -19,13 +19,13 @@ bitwise the same results (the waits only order memory, they compute nothing).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels.support import _interpreting, triton
 
-ENABLED = os.environ.get("FASTGRPO_PDL", "1") != "0"
+ENABLED = switches.PDL
 
 if triton is not None:
     import triton.language as tl

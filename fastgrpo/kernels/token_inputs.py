@@ -19,10 +19,9 @@ the same rounding of fp32 to the activation dtype, so bitwise equal on a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.support import _interpreting, triton
 
@@ -30,7 +29,7 @@ if triton is not None:
     import triton.language as tl
 
 # FASTGRPO_TOKEN_INPUTS=0 keeps the torch gathers on CUDA too (to compare)
-ENABLED = os.environ.get("FASTGRPO_TOKEN_INPUTS", "1") != "0"
+ENABLED = switches.TOKEN_INPUTS
 
 
 def embed_and_angles_ref(

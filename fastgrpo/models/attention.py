@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from fastgrpo import switches
 
 
 def _probe_varlen():
@@ -36,7 +37,7 @@ def _probe_varlen():
     `enable_gqa`, so k/v are repeated to q's head count; 2.13 takes both.
     FASTGRPO_NO_VARLEN=1 turns it off.
     """
-    if os.environ.get("FASTGRPO_NO_VARLEN") == "1":
+    if switches.NO_VARLEN:
         return None
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -359,7 +360,7 @@ class FlashVarlenCausal(torch.autograd.Function):
 
 
 # FASTGRPO_FLASH_AUTOGRAD=0 sends training attention through `varlen_attn` instead (to compare)
-FLASH_AUTOGRAD = os.environ.get("FASTGRPO_FLASH_AUTOGRAD", "1") != "0"
+FLASH_AUTOGRAD = switches.FLASH_AUTOGRAD
 
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:

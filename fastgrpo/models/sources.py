@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo import switches
+
 log = logging.getLogger("fastgrpo.models")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,8 +43,7 @@ class ModelNotFoundError(ValueError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FASTGRPO_CACHE") or Path.home() / ".cache" / "fastgrpo"
-    return Path(root)
+    return switches.cache_root()
 
 
 @dataclass

@@ -30,7 +30,6 @@ the CPU never takes them.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fastgrpo import switches
 from fastgrpo.kernels import decode_linear
 from fastgrpo.kernels.decode_attention import ProjectedParts
 from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
@@ -57,7 +57,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # FASTGRPO_FUSED_OPS=0 keeps inference on the PyTorch ops (to compare or to bisect)
-FUSED_OPS = os.environ.get("FASTGRPO_FUSED_OPS", "1") != "0"
+FUSED_OPS = switches.FUSED_OPS
 
 
 def use_train_kernels(x: torch.Tensor) -> bool:

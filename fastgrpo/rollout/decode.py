@@ -18,12 +18,12 @@ unit: the decode kernels find a row's prompt as row // G.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
@@ -31,7 +31,7 @@ from fastgrpo.rollout.sampling import SamplingParams, sample_from_hidden, sample
 from fastgrpo.transfer import to_device
 
 # FASTGRPO_FOLD_POSITIONS=0 forms a decode step's positions by a torch add (to compare)
-FOLD_POSITIONS = os.environ.get("FASTGRPO_FOLD_POSITIONS", "1") != "0"
+FOLD_POSITIONS = switches.FOLD_POSITIONS
 PREFILL_GRAPHS_KEPT = 2
 """Captured prefills kept per wave shape (one per row bucket, most recently used kept)."""
 

@@ -25,11 +25,11 @@ roundings can turn a near tie between two tokens the other way.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels.decode_record import live_groups_into, live_groups_ref
 from fastgrpo.models.attention import flash_serves
 from fastgrpo.rollout.decode import WaveBuffers, prefill_graph_bytes, prefill_rows
@@ -42,9 +42,9 @@ DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
 KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
 # FASTGRPO_COMPACT=0 keeps every row of a wave stepping until all have finished (to compare)
-COMPACT = os.environ.get("FASTGRPO_COMPACT", "1") != "0"
+COMPACT = switches.COMPACT
 # FASTGRPO_PREFILL_GRAPHS=0 runs every prefill eagerly (to compare)
-PREFILL_GRAPHS = os.environ.get("FASTGRPO_PREFILL_GRAPHS", "1") != "0"
+PREFILL_GRAPHS = switches.PREFILL_GRAPHS
 PREFILL_GRAPH_SHARE = 16
 """A prefill is captured as a graph only where its pool's estimate is at most 1 / 16 of the memory
 budget: the pool stays allocated between rollouts, as the KV cache does."""

@@ -8,10 +8,9 @@ of ~15 whole-(B, V) torch ops. FASTGRPO_FUSED_SAMPLER=0 keeps the torch path eve
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fastgrpo import switches
 from fastgrpo.kernels import lm_head_sample
 from fastgrpo.kernels.sample_tokens import KERNEL_DTYPES, sample_tokens_fused, triton
 from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
@@ -19,7 +18,7 @@ from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
 __all__ = ["SamplingParams", "sample_from_hidden", "sample_tokens", "sample_tokens_torch"]
 
 # read once at import; tests flip the module attribute
-FUSED_SAMPLER = os.environ.get("FASTGRPO_FUSED_SAMPLER", "1") != "0"
+FUSED_SAMPLER = switches.FUSED_SAMPLER
 
 
 def sample_tokens(

@@ -8,13 +8,13 @@ padding); a transformers model runs on the padded batch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastgrpo import switches
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob
 from fastgrpo.models.attention import SharedKeys
 from fastgrpo.models.transformer import Transformer
@@ -115,7 +115,7 @@ def kept_hidden(model, rollout: Rollout) -> torch.Tensor:
 
 
 # FASTGRPO_SHARE_PROMPTS=0 packs every row with its own copy of its prompt (to compare)
-SHARE_PROMPTS = os.environ.get("FASTGRPO_SHARE_PROMPTS", "1") != "0"
+SHARE_PROMPTS = switches.SHARE_PROMPTS
 
 
 @dataclass
