@@ -1,9 +1,9 @@
 """LM head + GRPO loss, forward + backward, and scoring: fused Triton vs torch eager vs torch.compile.
 
-Workload as in PERFORMANCE.md: clipped ratio against old log-probs, k3 KL against reference
+Workload as in benchmarks/PEERS.md: clipped ratio against old log-probs, k3 KL against reference
 log-probs (beta 0.04), grpo aggregation, bf16 hidden states and weight, random inputs. For each
 shape: median time (CUDA events via triton.testing.do_bench), peak extra memory (above the inputs and
-the returned gradients, as PERFORMANCE.md counts it; also reported with the gradients),
+the returned gradients, as benchmarks/PEERS.md counts it; also reported with the gradients),
 TFLOP/s over 6*N*H*V and the ratio to the 6NHV floor at 800 TFLOP/s. Also: scoring only (log-prob +
 entropy) and the fused call with half the groups at zero advantage. Prints a table, then one JSON
 line. Run on a CUDA GPU:  python -m benchmarks.bench_logprob [--quick]
@@ -97,7 +97,7 @@ def zero_advantage_rows(n, h, v):
 
 
 def liger_loss_fn(seq_len=1024):
-    """cuBLAS bf16 logits, then Liger-Kernel's Triton GRPO loss on them (PERFORMANCE.md's best
+    """cuBLAS bf16 logits, then Liger-Kernel's Triton GRPO loss on them (benchmarks/PEERS.md's best
     peer), or None when liger-kernel is not installed. Liger takes logits (B, L+1, V), so each
     sequence's hidden states get one zero row appended (0.1% more GEMM work at L=1024)."""
     try:
@@ -133,7 +133,7 @@ def liger_loss_fn(seq_len=1024):
 def measure(fn, inputs, *, reps=20):
     """(median ms, peak extra GiB excluding the returned gradients, peak extra GiB including them).
 
-    The first memory figure is the one PERFORMANCE.md's peer table uses: every method must hand back
+    The first memory figure is the one benchmarks/PEERS.md's peer table uses: every method must hand back
     d(hidden) and d(weight), so only memory above the inputs and those gradients counts.
     """
     from triton.testing import do_bench

@@ -1,6 +1,6 @@
 """Rollout speed: the native engine vs Hugging Face `generate` (dynamic and static cache).
 
-Workloads as in issue 4 and PERFORMANCE.md, random bf16 weights of real shapes, every completion
+Workloads as in issue 4 and benchmarks/PEERS.md, random bf16 weights of real shapes, every completion
 forced to its full length (the only stop id is one the model cannot sample):
   A. Qwen2.5-0.5B shape, 64 sequences, prompt 128, 256 new tokens: ms per decode step;
   B. the same shape, 256 sequences, prompt 256, 1024 new tokens: tokens/s;

@@ -1,6 +1,6 @@
 """One whole GRPO step, end to end: fastgrpo's trainer, and Hugging Face TRL's GRPOTrainer.
 
-Workload as in issue 5 and PERFORMANCE.md ("End to end"): Qwen2.5-0.5B shape (or --shape 1.5B),
+Workload as in issue 5 and benchmarks/PEERS.md ("End to end"): Qwen2.5-0.5B shape (or --shape 1.5B),
 random weights (bf16 on a GPU, fp32 on the CPU), 8 prompts x 8 completions, prompt 128 tokens,
 every completion forced to 256 tokens, one optimizer update per rollout (num_iterations 1, one
 mini-batch), beta 0.04 (a frozen reference model scores every completion), no gradient
