@@ -18,7 +18,7 @@ import torch
 from triton.testing import do_bench
 
 from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
-from fastgrpo.kernels.lm_head_grpo_loss import _add_matmul_f32_  # noqa: E402
+from fastgrpo.kernels.lm_head_chunk_grads import add_matmul_f32_  # noqa: E402
 
 DW_CONFIGS = [  # (BLOCK_V, BLOCK_H, BLOCK_R, warps, stages)
     (256, 128, 64, 8, 3),
@@ -68,7 +68,7 @@ def sweep(c, h, v, dw_configs, dh_configs, dw_dtype):
     start_dw = (torch.randn(512, h, device="cuda") * (c**0.5)).to(dw_dtype)
     want_dw = start_dw.float() + (dz.t()[:512].float() @ hidden.float())
     if dw_dtype == torch.float32:
-        cublas_dw = ("cuBLAS dW addmm fp32", lambda: _add_matmul_f32_(dw, dz.t(), hidden))
+        cublas_dw = ("cuBLAS dW addmm fp32", lambda: add_matmul_f32_(dw, dz.t(), hidden))
     else:
         cublas_dw = ("cuBLAS dW addmm bf16", lambda: torch.addmm(dw, dz.t(), hidden, out=dw))
     for name, fn in (cublas_dw, ("cuBLAS dH mm", lambda: torch.mm(dz, weight))):

@@ -60,7 +60,7 @@ def load_model(
         raise ValueError(f"model backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     _quiet_transformers()
     if backend != "hf":
-        from fastgrpo.models.transformer import UnsupportedModelError
+        from fastgrpo.models.model_config import UnsupportedModelError
 
         try:
             model = load_native_model(name, dtype=dtype, device=device, revision=revision)

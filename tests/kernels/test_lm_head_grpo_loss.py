@@ -7,6 +7,7 @@ import torch
 from kernel_cases import DEVICE, LOSS_VARIANTS, ON_GPU, variant_id
 
 from fastgrpo.algo import policy_loss
+from fastgrpo.kernels import lm_head_chunk_grads as chunk_grads
 from fastgrpo.kernels import lm_head_grpo_loss as fused
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 
@@ -327,13 +328,13 @@ def test_backward_scaling_by_the_incoming_gradient():
     """The gradients are made in the forward call; backward multiplies them by the incoming
     gradient on the device, and leaves them untouched when it is exactly 1."""
     x = torch.randn(70, 13, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    same = fused._scale_by_(x.clone(), torch.ones((), device=DEVICE))
+    same = chunk_grads.scale_by_(x.clone(), torch.ones((), device=DEVICE))
     assert torch.equal(same, x)
-    half = fused._scale_by_(x.clone(), torch.full((), -0.5, device=DEVICE))
+    half = chunk_grads.scale_by_(x.clone(), torch.full((), -0.5, device=DEVICE))
     assert torch.equal(half, x * -0.5)
     strided = torch.zeros(70, 16, device=DEVICE)
     strided[:, :13] = x
-    fused._scale_by_(strided[:, :13], torch.full((), 3.0, device=DEVICE))
+    chunk_grads.scale_by_(strided[:, :13], torch.full((), 3.0, device=DEVICE))
     assert torch.equal(strided[:, :13], x * 3.0) and (strided[:, 13:] == 0).all()
 
 
