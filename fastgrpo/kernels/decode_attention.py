@@ -56,7 +56,7 @@ from fastgrpo.kernels.kv_write import check_cache_write
 from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
 from fastgrpo.kernels.support import (
     LOG2E,
-    _interpreting,
+    interpreting,
     multiprocessors,
     reference_notice,
     shared_memory,
@@ -331,7 +331,7 @@ def _blocks(rows: int = 0, nkv: int = 1, d: int = 128, itemsize: int = 2) -> tup
     against 0.998 (three pairs, benchmarks/results/rollout_rope_attention_h100_v1.txt). Their 130
     KB of shared memory would leave one program per multiprocessor, so more programs keep the
     small blocks. In fp32 (`itemsize` 4) they would take 276 KB, more than the H100's 227."""
-    if _interpreting():
+    if interpreting():
         return 16, 4, 1
     if len(BLOCKS) == 3:
         return BLOCKS
@@ -439,7 +439,7 @@ def decode_attention_triton(
     out_dtype = q.dtype
     k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)
     caches = (comp_k, comp_v)
-    if _interpreting() and q.dtype == torch.bfloat16:
+    if interpreting() and q.dtype == torch.bfloat16:
         # The interpreter (numpy) has no bf16; fp32 copies are exact, and the GPU's bf16 dot
         # multiplies exactly and accumulates in fp32, so only the bf16 rounding of p (and, with
         # rope, of the rotation's products) differs. The new k and v are written back below.
@@ -556,7 +556,7 @@ def _fits(q, d: int) -> bool:
     serves, and says so once."""
     itemsize = q.element_size()
     need = _shared_bytes(*_blocks(0, 1, d, itemsize), d, itemsize)
-    if _interpreting() or need <= shared_memory(q.device):
+    if interpreting() or need <= shared_memory(q.device):
         return True
     dtype = str(q.dtype).removeprefix("torch.")
     reference_notice("decode attention", f"for {dtype} at head dim {d} (it exceeds shared memory)")

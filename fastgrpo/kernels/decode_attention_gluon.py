@@ -56,11 +56,12 @@ import torch
 
 from fastgrpo import switches
 from fastgrpo.kernels import pdl
+from fastgrpo.kernels.pdl import gluon_start, gluon_wait
 from fastgrpo.kernels.support import (
     LOG2E,
-    _hopper,
-    _layout,
+    bf16_shared_layout,
     gluon,
+    is_hopper,
     multiprocessors,
     warn_not_compiled,
 )
@@ -71,7 +72,6 @@ if gluon is not None:  # support found triton's Gluon layer
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fastgrpo.kernels.decode_linear_gluon import _pdl_start, _pdl_wait
 
 ENABLED = switches.GLUON_ATTENTION
 QUERY_ROWS = 16
@@ -256,7 +256,7 @@ if gluon is not None:
         for z in gl.static_range(STAGES):
             mbarrier.init(ready.index(z), count=1)
         fence_async_shared()
-        _pdl_start(PDL)
+        gluon_start(PDL)
 
         # the cached keys first: written before this replay started (see the module's caveat)
         n_prompt = gl.minimum(gl.load(lens_ptr + prompt), Lp).to(gl.int32)
@@ -271,7 +271,7 @@ if gluon is not None:
         issued = total * 0
         for _ in gl.static_range(EARLY):
             issued = _issue(*ring, issued, total, *counts, *rows0, BLOCK_N, STAGES)
-        _pdl_wait(PDL)
+        gluon_wait(PDL)
 
         # q's rep heads, rotated, as a [16, D] tile (rows past REP are zeros)
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -397,7 +397,7 @@ def _serves(B, nh, cos, sin, prompt_k, comp_k) -> bool:
         and prompt_k.is_contiguous()
         and comp_k.is_contiguous()
         and multiprocessors(prompt_k.device) <= 2 * B * nkv <= 2 * multiprocessors(prompt_k.device)
-        and _hopper(prompt_k.device.index)
+        and is_hopper(prompt_k.device.index)
     )
 
 
@@ -435,7 +435,7 @@ def _launch(q, k, v, biases, parts, part_stride, cos, sin, prompt_k, prompt_v, p
     box = [block_n, d]
 
     def cache(t, rows, box=box):
-        return TensorDescriptor.from_tensor(t.view(rows, nkv * d), box, _layout(box))
+        return TensorDescriptor.from_tensor(t.view(rows, nkv * d), box, bf16_shared_layout(box))
 
     part = [PART_ROWS, d]
 

@@ -51,10 +51,10 @@ from fastgrpo.kernels.decode_attention import ProjectedParts
 from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
 from fastgrpo.kernels.support import (
     TensorDescriptor,
-    _interpreting,
-    _tma_ready,
+    interpreting,
     kernel_dtype,
     tma_readable,
+    tma_ready,
     triton,
 )
 from fastgrpo.kernels.swiglu import silu_mul
@@ -62,7 +62,7 @@ from fastgrpo.kernels.swiglu import silu_mul
 if triton is not None:
     import triton.language as tl
 
-    from fastgrpo.kernels.swiglu import _exp  # libdevice's exp, numpy's in the interpreter
+    from fastgrpo.kernels.swiglu import exp_libdevice  # libdevice's exp, numpy's in the interpreter
 
 # FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
 ENABLED = switches.DECODE_LINEAR
@@ -174,7 +174,9 @@ if triton is not None:
         if SWIGLU:
             gate = acc.to(dtype).to(tl.float32)
             up = acc_up.to(dtype).to(tl.float32)
-            silu = tl.math.div_rn(gate, 1.0 + _exp(-gate, LIBDEVICE)).to(dtype).to(tl.float32)
+            silu = (
+                tl.math.div_rn(gate, 1.0 + exp_libdevice(-gate, LIBDEVICE)).to(dtype).to(tl.float32)
+            )
             acc = silu * up
         out_at = out_ptr + rows[:, None] * N + cols[None, :]
         if SPLIT_K:
@@ -276,8 +278,8 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
     line = 128 // weight.element_size()
     k_range = k_per_split if k_per_split > 0 else K
     _decode_linear_kernel[grid](
-        TensorDescriptor.from_tensor(_tma_ready(x), [bm, cfg["BK"]]),
-        TensorDescriptor.from_tensor(_tma_ready(weight), [cfg["BN"], cfg["BK"]]),
+        TensorDescriptor.from_tensor(tma_ready(x), [bm, cfg["BK"]]),
+        TensorDescriptor.from_tensor(tma_ready(weight), [cfg["BN"], cfg["BK"]]),
         weight,
         weight if bias is None else bias,
         out,
@@ -290,8 +292,8 @@ def _launch(x, weight, bias, out, N, swiglu, k_per_split, splits, cfg) -> None:
         SPLIT_K=k_per_split > 0,
         SWIGLU=swiglu,
         BM=bm,
-        LIBDEVICE=not _interpreting(),
-        DOT_FP32=_interpreting(),
+        LIBDEVICE=not interpreting(),
+        DOT_FP32=interpreting(),
         LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_range, line)),
         enable_fp_fusion=False,

@@ -44,10 +44,11 @@ import torch
 
 from fastgrpo import switches
 from fastgrpo.kernels import pdl
+from fastgrpo.kernels.pdl import gluon_start, gluon_wait
 from fastgrpo.kernels.support import (
-    _hopper,
-    _layout,
+    bf16_shared_layout,
     gluon,
+    is_hopper,
     multiprocessors,
     tma_readable,
     triton,
@@ -81,25 +82,6 @@ waits for its own, as the kernel did before: 9 us per decode step slower at 0.5B
 _failed = False  # set when the kernel did not compile here: the Triton kernel serves from then on
 
 if gluon is not None:
-
-    @gluon.jit
-    def _pdl_wait(PDL: gl.constexpr):
-        if PDL:  # griddepcontrol.wait: the previous kernel is done and its writes are visible
-            gl.inline_asm_elementwise(
-                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-            )
-
-    @gluon.jit
-    def _pdl_start(PDL: gl.constexpr):
-        if PDL:  # the next kernel of the stream may put its programs on the SMs now
-            gl.inline_asm_elementwise(
-                "griddepcontrol.launch_dependents; // $0",
-                "=r",
-                [],
-                dtype=gl.int32,
-                is_pure=False,
-                pack=1,
-            )
 
     @gluon.jit
     def _load_weight(
@@ -170,7 +152,7 @@ if gluon is not None:
         for k in gl.static_range(K_STEPS):
             mbarrier.init(x_ready.index(k), count=1)
         fence_async_shared()
-        _pdl_start(PDL)
+        gluon_start(PDL)
 
         # the weight first (no earlier kernel writes it), then the wait, then x
         ring = (w_desc, gate_smem, up_smem, ready)
@@ -178,7 +160,7 @@ if gluon is not None:
         issued = total * 0
         for _ in gl.static_range(STAGES):
             issued = _load_weight(*ring, issued, total, *tiling)
-        _pdl_wait(PDL)
+        gluon_wait(PDL)
         for k in gl.static_range(K_STEPS):  # a barrier per box: step k needs only box k
             mbarrier.expect(x_ready.index(k), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
@@ -248,7 +230,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         and weight.shape[0] > 0
         and tma_readable(x)
         and tma_readable(weight)
-        and _hopper(x.device.index)
+        and is_hopper(x.device.index)
     )
 
 
@@ -264,8 +246,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
     options = pdl.launch_options()
     try:
         _gate_up_kernel[(programs,)](
-            TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K], _layout([BLOCK_M, BLOCK_K])),
-            TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], _layout([BLOCK_N, BLOCK_K])),
+            TensorDescriptor.from_tensor(
+                x, [BLOCK_M, BLOCK_K], bf16_shared_layout([BLOCK_M, BLOCK_K])
+            ),
+            TensorDescriptor.from_tensor(
+                weight, [BLOCK_N, BLOCK_K], bf16_shared_layout([BLOCK_N, BLOCK_K])
+            ),
             out,
             M,
             n_out,

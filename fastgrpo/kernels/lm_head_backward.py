@@ -26,10 +26,10 @@ import torch
 
 from fastgrpo.kernels.support import (
     TensorDescriptor,
-    _interpreting,
-    _tma_ready,
     aligned_empty,
+    interpreting,
     multiprocessors,
+    tma_ready,
     triton,
 )
 
@@ -195,7 +195,7 @@ def _dw_blocks(H: int, itemsize: int = 2, dw_itemsize: int = 4):
     - fp32 dW: the read-add-write in the program (an fp32 tile to reduce would not fit shared
       memory beside the pipeline): 256x128 with 4 stages at H=896 (1.05 ms, cuBLAS 1.03),
       128x256 at H=3584 (4.09 ms, cuBLAS 3.73)."""
-    if _interpreting():
+    if interpreting():
         return 32, 16, 16, 4, 1
     if itemsize == 4:  # fp32 operands: half the k step, to fit shared memory
         return 128, 128, 32, 8, 3
@@ -209,7 +209,7 @@ def _dh_blocks(H: int, itemsize: int = 2):
     (benchmarks/lab/tune_lm_head_backward.py, 2048-row chunks; results v2 to v5): at H=896, 256x128
     tiles with 4 stages (0.835 ms with 7 splits, against 0.882 for 128x256 tiles, whose last column
     block is half empty; cuBLAS 0.862); at H=3584, 128x256 tiles (3.1-3.4 ms, cuBLAS 3.2-3.3)."""
-    if _interpreting():
+    if interpreting():
         return 16, 16, 32, 4, 1
     if itemsize == 4:  # fp32 operands: smaller tiles, to fit shared memory
         return 128, 128, 32, 8, 3
@@ -221,7 +221,7 @@ def _dh_splits(H: int) -> int:
     on the H100's 132 SMs: at H=896, 8 row blocks x 7 column blocks x 7 splits = 392 programs
     (2.97 waves); at H=3584, 4 (of 2, 4, 7, 8, 12 and 33). The fp32 partial sums take splits x C x
     H x 4 bytes."""
-    if _interpreting():
+    if interpreting():
         return 3
     return 7 if H <= 1024 else 4
 
@@ -237,7 +237,7 @@ def add_dw_(dw, dz, hidden, n_rows):
     config = _dw_blocks(H, dz.element_size(), dw.element_size())
     block_v, block_h, block_r, warps, stages, *extra = config
     persistent, reduce = (list(extra) + [False, False])[:2]
-    hidden = _tma_ready(hidden)
+    hidden = tma_ready(hidden)
     tiles = triton.cdiv(V, block_v) * triton.cdiv(H, block_h)
     programs = multiprocessors(dz.device) if dz.is_cuda else 3
     grid = (min(tiles, programs) if persistent else tiles,)
@@ -253,7 +253,7 @@ def add_dw_(dw, dz, hidden, n_rows):
         BLOCK_R=block_r,
         DOT_PRECISION=_precision(dz),
         PERSISTENT=bool(persistent),
-        REDUCE=bool(reduce) and not _interpreting(),
+        REDUCE=bool(reduce) and not interpreting(),
         num_warps=warps,
         num_stages=stages,
     )
@@ -273,7 +273,7 @@ def dh(dz, weight, n_rows, row_scale=None, out=None):
     splits = triton.cdiv(V, k_per_split)
     c_pad = triton.cdiv(C, block_r) * block_r
     part = aligned_empty(splits * c_pad, H, dtype=torch.float32, device=dz.device)
-    weight = _tma_ready(weight)
+    weight = tma_ready(weight)
     grid = (triton.cdiv(C, block_r), triton.cdiv(H, block_h), splits)
     _dh_kernel[grid](
         TensorDescriptor.from_tensor(dz, [block_r, block_v]),

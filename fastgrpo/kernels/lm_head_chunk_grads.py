@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels.support import _interpreting, triton
+from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from fastgrpo.kernels.support import _LN2, _LOG2E
+    from fastgrpo.kernels.support import LN2_CONSTEXPR, LOG2E_CONSTEXPR
 
 ROW_BLOCK = 128  # the largest row block of the backward kernels
 
@@ -39,9 +39,9 @@ if triton is not None:
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         ok = rows < C
         logp = tl.load(logp_ptr + rows, mask=ok, other=0.0)
-        lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * _LOG2E
+        lse2 = tl.load(lse_ptr + rows, mask=ok, other=0.0) * LOG2E_CONSTEXPR
         t2 = tl.load(t2_ptr + rows, mask=ok, other=0.0)
-        unsafe = ok & (-logp * _LOG2E > safe_log2_ratio)
+        unsafe = ok & (-logp * LOG2E_CONSTEXPR > safe_log2_ratio)
         tl.store(ref_ptr + rows, tl.where(unsafe, lse2, t2), mask=ok)
         tl.store(flags_ptr + tl.program_id(0), tl.max(unsafe.to(tl.int32), 0))
 
@@ -69,7 +69,7 @@ if triton is not None:
         dz = (g / T) * (onehot - p) and p = e * 2^(ref - lse2). So dH = s * (e' @ W) and
         dW = e'^T @ (s * hidden): plain GEMMs, no pass over the (C, V) values."""
         row = tl.program_id(0).to(tl.int64)
-        lse2 = tl.load(lse_ptr + row) * _LOG2E
+        lse2 = tl.load(lse_ptr + row) * LOG2E_CONSTEXPR
         ref = tl.load(ref_ptr + row)
         s = -tl.load(g_ptr + row) * inv_temp * tl.exp2(ref - lse2)
         tl.store(s_ptr + row, s)
@@ -114,7 +114,7 @@ if triton is not None:
         if (g == 0.0) & (ge == 0.0):
             dz = tl.zeros([BLOCK_V], tl.float32)
         else:
-            shift = tl.load(ref_ptr + row) - tl.load(lse_ptr + row) * _LOG2E
+            shift = tl.load(ref_ptr + row) - tl.load(lse_ptr + row) * LOG2E_CONSTEXPR
             ent = tl.load(ent_ptr + row)
             target = tl.load(tgt_ptr + row).to(tl.int64)
             e = tl.load(z_ptr + row * stride_zn + cols, mask=ok, other=0.0).to(tl.float32)
@@ -122,7 +122,7 @@ if triton is not None:
             # below 1e-30, p * ln p is below 1e-28: the floor only keeps log2(0) out
             log2_p = tl.log2(tl.maximum(e, 1.0e-30)) + shift
             dz = g * (tl.where(cols == target, 1.0, 0.0) - p)
-            dz -= ge * p * (log2_p * _LN2 + ent)
+            dz -= ge * p * (log2_p * LN2_CONSTEXPR + ent)
         tl.store(
             z_ptr + row * stride_zn + cols, (dz * inv_temp).to(z_ptr.dtype.element_ty), mask=ok
         )
@@ -215,7 +215,7 @@ def scale_rows(chunk, targets, ref, g, temperature, hidden, dtype):
 
 def dz_from_probs_(chunk, targets, ref, g, ge, temperature, limit):
     rows, V = chunk.probs.shape
-    block = 256 if _interpreting() else 4096
+    block = 256 if interpreting() else 4096
     if rows:
         _dz_from_probs_kernel[(rows, triton.cdiv(V, block))](
             chunk.probs,

@@ -37,7 +37,7 @@ from fastgrpo.kernels.lm_head_chunk_grads import (
 )
 from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.kernels.lm_head_stats import ChunkStats, lm_head_stats_triton
-from fastgrpo.kernels.support import _interpreting, aligned_empty, kernel_dtype, triton
+from fastgrpo.kernels.support import aligned_empty, interpreting, kernel_dtype, triton
 from fastgrpo.kernels.token_loss import (
     TOKEN_LEVEL_LOSSES,
     loss_and_grads,
@@ -151,7 +151,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         parts = []  # the chunks' loss terms, added once at the end
         # bf16 probabilities for bf16 models; fp32 for fp32 models and under the interpreter
         buffer_dtype = (
-            torch.float32 if _interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
+            torch.float32 if interpreting() or hidden.dtype == torch.float32 else torch.bfloat16
         )
         # rows on 16 bytes: the statistics kernel stores the probabilities by TMA
         buffer = aligned_empty(min(chunk_rows, N), V, dtype=buffer_dtype, device=hidden.device)
@@ -295,7 +295,7 @@ def _dw_in_fp32(n_chunks, dtype) -> bool:
     (0.51 GiB at V=152k, H=896; 2 GiB at H=3584) and half the read-modify-write traffic. Measured
     on the H100 (benchmarks/HISTORY.md): at 16 chunks the dW error against fp64 was 2.69e-3, against
     2.38e-3 summed in fp32 and 4.95e-3 for plain PyTorch in bf16 (the issue allows 2x the last)."""
-    if dtype == torch.float32 or _interpreting():
+    if dtype == torch.float32 or interpreting():
         return True
     return n_chunks > MAX_LOW_PRECISION_CHUNKS
 

@@ -45,14 +45,15 @@ import torch
 
 from fastgrpo import switches
 from fastgrpo.kernels import pdl
+from fastgrpo.kernels.pdl import gluon_start, gluon_wait
 from fastgrpo.kernels.sample_tokens import check_sampling_args
 from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
 from fastgrpo.kernels.support import (
     LN2,
     LOG2E,
-    _hopper,
-    _layout,
+    bf16_shared_layout,
     gluon,
+    is_hopper,
     multiprocessors,
     tma_readable,
     triton,
@@ -71,7 +72,6 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel targets
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fastgrpo.kernels.decode_linear_gluon import _pdl_start, _pdl_wait
 
 # FASTGRPO_LM_HEAD_SAMPLER=0 keeps a decode step's logits in memory for the sampler (to compare)
 ENABLED = switches.LM_HEAD_SAMPLER
@@ -304,7 +304,7 @@ if gluon is not None:
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
         fence_async_shared()
-        _pdl_start(PDL)
+        gluon_start(PDL)
 
         n_tiles = gl.cdiv(V, BLOCK_V)
         k_tiles = gl.cdiv(H, BLOCK_K)
@@ -319,7 +319,7 @@ if gluon is not None:
             if j < total:
                 _issue_load(*ring, j, *tiling, False, True)
         issued = gl.minimum(total, STAGES)  # run-time i32, loop-carried
-        _pdl_wait(PDL)
+        gluon_wait(PDL)
         for j in gl.static_range(STAGES):
             if j < total:
                 _issue_load(*ring, j, *tiling, True, False)
@@ -477,7 +477,7 @@ def takes(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         and hidden.dim() == 2
         and 0 < hidden.shape[0] <= MAX_ROWS
         and hidden.dtype == weight.dtype == torch.bfloat16
-        and _hopper(hidden.device.index)
+        and is_hopper(hidden.device.index)
         and all(tma_readable(t) for t in (hidden, weight))
         and _stages(hidden.shape[1]) >= 2
     )
@@ -509,8 +509,12 @@ def lm_head_sample(hidden, weight, temperature: float, seeds, step):
     options = pdl.launch_options() if early else {"PDL": False}
     try:
         _lm_head_sample_kernel[(programs,)](
-            TensorDescriptor.from_tensor(hidden, [BLOCK_B, BLOCK_K], _layout([BLOCK_B, BLOCK_K])),
-            TensorDescriptor.from_tensor(weight, [BLOCK_V, BLOCK_K], _layout([BLOCK_V, BLOCK_K])),
+            TensorDescriptor.from_tensor(
+                hidden, [BLOCK_B, BLOCK_K], bf16_shared_layout([BLOCK_B, BLOCK_K])
+            ),
+            TensorDescriptor.from_tensor(
+                weight, [BLOCK_V, BLOCK_K], bf16_shared_layout([BLOCK_V, BLOCK_K])
+            ),
             seeds,
             step,
             partials[0],

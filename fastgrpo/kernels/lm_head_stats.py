@@ -25,16 +25,16 @@ from fastgrpo.kernels.support import (
     LN2,
     LOG2E,
     TensorDescriptor,
-    _interpreting,
-    _tma_ready,
+    interpreting,
     multiprocessors,
+    tma_ready,
     triton,
 )
 
 if triton is not None:
     import triton.language as tl
 
-    from fastgrpo.kernels.support import _LN2
+    from fastgrpo.kernels.support import LN2_CONSTEXPR
 
 
 def lm_head_stats_ref(hidden, weight, targets, temperature: float = 1.0):
@@ -182,9 +182,9 @@ if triton is not None:
             weighted += tl.load(pz_ptr + i * N + rows, mask=ok, other=0.0) * scale
         lse2 = top + tl.log2(total)
         t = tl.load(t_ptr + rows, mask=ok, other=0.0)
-        tl.store(logp_ptr + rows, (t - lse2) * _LN2, mask=ok)
-        tl.store(ent_ptr + rows, (lse2 - weighted / total) * _LN2, mask=ok)
-        tl.store(lse_ptr + rows, lse2 * _LN2, mask=ok)
+        tl.store(logp_ptr + rows, (t - lse2) * LN2_CONSTEXPR, mask=ok)
+        tl.store(ent_ptr + rows, (lse2 - weighted / total) * LN2_CONSTEXPR, mask=ok)
+        tl.store(lse_ptr + rows, lse2 * LN2_CONSTEXPR, mask=ok)
 
     @triton.jit
     def _lm_head_stats_kernel(
@@ -261,7 +261,7 @@ if triton is not None:
 def _blocks(H: int, itemsize: int = 2) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg]) for this device and operand
     size (fp32 operands take twice the shared memory per tile)."""
-    if _interpreting():
+    if interpreting():
         return 16, 32, 16, 4, 1
     if itemsize == 4:
         return 128, 128, 32, 8, 3
@@ -277,7 +277,7 @@ def _num_splits(V: int, block_n: int) -> int:
     chunking of the rows gives bitwise the same statistics (scoring and training agree exactly).
     On a GPU, a quarter of the multiprocessor count: every 4 row blocks then fill whole waves."""
     n_tiles = triton.cdiv(V, block_n)
-    if _interpreting() or not torch.cuda.is_available():
+    if interpreting() or not torch.cuda.is_available():
         return max(1, min(32, n_tiles // 64, n_tiles))
     sms = multiprocessors()
     return max(1, min(max(1, sms // 4), n_tiles // 16, n_tiles))
@@ -297,11 +297,11 @@ def _prepare(hidden, weight, targets):
         raise ValueError(
             f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
         )
-    if _interpreting() and hidden.dtype == torch.bfloat16:
+    if interpreting() and hidden.dtype == torch.bfloat16:
         # The interpreter (numpy) has no bf16; fp32 copies are exact, and the GPU's bf16 dot
         # multiplies exactly and accumulates in fp32, so the function computed is the same.
         hidden, weight = hidden.float(), weight.float()
-    return _tma_ready(hidden), _tma_ready(weight)
+    return tma_ready(hidden), tma_ready(weight)
 
 
 def _target_logits(hidden, weight, targets, scale2):

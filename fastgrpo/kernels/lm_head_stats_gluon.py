@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels.support import _hopper, _layout, gluon, triton, warn_not_compiled
+from fastgrpo.kernels.support import bf16_shared_layout, gluon, is_hopper, triton, warn_not_compiled
 
 if gluon is not None:  # support found triton's Gluon layer; this kernel was written against 3.6
     from triton.experimental.gluon import language as gl
@@ -216,7 +216,7 @@ def applies(hidden: torch.Tensor, probs_out: torch.Tensor, config: tuple, flags)
         and hidden.dtype == torch.bfloat16
         and probs_out.dtype == torch.bfloat16
         and tuple(config) == CONFIG
-        and _hopper(hidden.device.index)
+        and is_hopper(hidden.device.index)
     )
 
 
@@ -231,13 +231,17 @@ def launch(hidden, weight, scale2, stats, probs_out, reference, entropy) -> bool
     block_m, block_n, block_k, warps, stages = CONFIG
     try:
         _lm_head_stats_gluon_kernel[(triton.cdiv(N, block_m), stats.shape[1])](
-            TensorDescriptor.from_tensor(hidden, [block_m, block_k], _layout([block_m, block_k])),
-            TensorDescriptor.from_tensor(weight, [block_n, block_k], _layout([block_n, block_k])),
+            TensorDescriptor.from_tensor(
+                hidden, [block_m, block_k], bf16_shared_layout([block_m, block_k])
+            ),
+            TensorDescriptor.from_tensor(
+                weight, [block_n, block_k], bf16_shared_layout([block_n, block_k])
+            ),
             stats[0],
             stats[1],
             stats[2],
             TensorDescriptor.from_tensor(
-                probs_out, [block_m, block_n], _layout([block_m, block_n])
+                probs_out, [block_m, block_n], bf16_shared_layout([block_m, block_n])
             ),
             reference,
             N,

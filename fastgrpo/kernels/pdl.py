@@ -23,7 +23,7 @@ import functools
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels.support import _interpreting, triton
+from fastgrpo.kernels.support import gluon, interpreting, triton
 
 ENABLED = switches.PDL
 
@@ -68,7 +68,7 @@ def active() -> bool:
 
 @functools.cache
 def _supported(device: int) -> bool:
-    if device < 0 or triton is None or gdc_wait is None or _interpreting():
+    if device < 0 or triton is None or gdc_wait is None or interpreting():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -77,3 +77,27 @@ def launch_options() -> dict:
     """Keywords for a launch of a kernel with a `PDL` constexpr: `PDL=True` and `launch_pdl=True`
     where `active()`, else `PDL=False` (a plain launch)."""
     return {"PDL": True, "launch_pdl": True} if active() else {"PDL": False}
+
+
+gluon_start = gluon_wait = None  # without Gluon: the Gluon kernels are not defined either
+if gluon is not None:  # the same waits for the Gluon kernels (their `PDL` constexpr decides)
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def gluon_wait(PDL: gl.constexpr):
+        if PDL:  # griddepcontrol.wait: the previous kernel is done and its writes are visible
+            gl.inline_asm_elementwise(
+                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+            )
+
+    @gluon.jit
+    def gluon_start(PDL: gl.constexpr):
+        if PDL:  # the next kernel of the stream may put its programs on the SMs now
+            gl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; // $0",
+                "=r",
+                [],
+                dtype=gl.int32,
+                is_pure=False,
+                pack=1,
+            )

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.support import _interpreting, multiprocessors, triton
+from fastgrpo.kernels.support import interpreting, multiprocessors, triton
 
 if triton is not None:
     import triton.language as tl
@@ -306,7 +306,7 @@ def _launch(
         SPLITS=splits,
         stride_split=stride_split,
         BLOCK=block,
-        LIBDEVICE=not _interpreting(),
+        LIBDEVICE=not interpreting(),
         num_warps=min(16, max(1, block // per_warp)),
         enable_fp_fusion=False,
         enable_reflect_ftz=False,  # rsqrt without flush-to-zero, as nvcc compiles torch's
@@ -479,7 +479,7 @@ def add_rms_norm_train(
     _check_train_inputs(x, residual, weight)
     on_kernel = (
         triton is not None
-        and (x.is_cuda or _interpreting())
+        and (x.is_cuda or interpreting())
         and x.dtype in KERNEL_DTYPES
         and weight.dtype in KERNEL_DTYPES
     )

@@ -37,7 +37,7 @@ import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.kv_write import check_cache_write, write_kv_ref
-from fastgrpo.kernels.support import _interpreting, triton
+from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:
     import triton.language as tl
@@ -435,7 +435,7 @@ def rope_qk_train(
     tensors = (q, k, cos, sin)
     if (
         triton is not None
-        and (q.is_cuda or _interpreting())
+        and (q.is_cuda or interpreting())
         and q.dtype in KERNEL_DTYPES
         and all(t.dtype == q.dtype and t.stride(-1) == 1 for t in tensors)
         and not (cos.requires_grad or sin.requires_grad)

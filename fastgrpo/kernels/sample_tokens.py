@@ -46,13 +46,13 @@ import torch
 
 from fastgrpo.kernels import pdl
 from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
-from fastgrpo.kernels.support import LN2, LOG2E, _interpreting, triton
+from fastgrpo.kernels.support import LN2, LOG2E, interpreting, triton
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from fastgrpo.kernels.support import _LN2, _LOG2E
+    from fastgrpo.kernels.support import LN2_CONSTEXPR, LOG2E_CONSTEXPR
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -117,7 +117,7 @@ if triton is not None:
         bits = _lowbias32(_lowbias32(cols.to(tl.uint32) ^ lo) ^ hi)
         r = tl.minimum(tl.maximum(bits.to(tl.float32) * _R_SCALE, _R_MIN), _R_MAX)
         # -log1p(-r) = r + r^2/2 + r^3/3 + ...: 5 terms below 1/32, where 1 - r loses r's bits
-        series = r * (1.0 + r * (0.5 + r * (1.0 / 3 + r * (0.25 + r * 0.2)))) * _LOG2E
+        series = r * (1.0 + r * (0.5 + r * (1.0 / 3 + r * (0.25 + r * 0.2)))) * LOG2E_CONSTEXPR
         small = r < _SERIES_BELOW
         big = -_log2(tl.where(small, 0.5, 1.0 - r), FAST)
         return -_log2(tl.where(small, series, big), FAST)
@@ -222,7 +222,7 @@ if triton is not None:
         total = tl.sum(split_sum * tl.exp2(split_max - base), 0)
         z2 = tl.load(logits_ptr + row * stride_b + token * stride_v).to(tl.float32) * scale
         tl.store(tokens_ptr + row, token)
-        tl.store(logp_ptr + row, (z2 - base - tl.log2(total)) * _LN2)
+        tl.store(logp_ptr + row, (z2 - base - tl.log2(total)) * LN2_CONSTEXPR)
 
     @triton.jit
     def _noise_kernel(
@@ -246,7 +246,7 @@ def _blocks() -> tuple[int, int, int]:
     """(BLOCK_V, BLOCKS_PER_SPLIT, num_warps). In the interpreter, small blocks so that test
     vocabularies of ~1000 span several splits of several blocks. On a GPU (not yet tuned on the
     H100): splits of 4096 columns, 38 at V = 151936, so B * 38 programs (2432 at B = 64)."""
-    if _interpreting():
+    if interpreting():
         return 128, 2, 1
     return 1024, 4, 4
 
@@ -320,7 +320,7 @@ def sample_tokens_fused(
         BLOCK_V=block_v,
         BLOCKS_PER_SPLIT=blocks_per_split,
         GREEDY=greedy,
-        FAST_LOG=not _interpreting(),
+        FAST_LOG=not interpreting(),
         num_warps=warps,
         **pdl.launch_options(),
     )
@@ -358,7 +358,7 @@ def noise_log2(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Ten
         seeds.stride(0),
         step.stride(0) if step.dim() else 0,
         BLOCK_V=block_v,
-        FAST_LOG=not _interpreting(),
+        FAST_LOG=not interpreting(),
     )
     return noise
 

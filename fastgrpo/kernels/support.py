@@ -37,11 +37,11 @@ log = logging.getLogger("fastgrpo.kernels")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 if triton is not None:  # the same, for kernels: a global a kernel reads must be a constexpr
-    _LOG2E = tl.constexpr(LOG2E)
-    _LN2 = tl.constexpr(LN2)
+    LOG2E_CONSTEXPR = tl.constexpr(LOG2E)
+    LN2_CONSTEXPR = tl.constexpr(LN2)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """Whether Triton runs its kernels in the (numpy) interpreter, on the CPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -73,7 +73,7 @@ def _shared_memory(device_index: int) -> int:
 
 
 @functools.cache
-def _hopper(device_index: int) -> bool:
+def is_hopper(device_index: int) -> bool:
     """Whether the CUDA device is a Hopper GPU (sm_90), cached: the capability query reads the
     device properties, tens of microseconds, and the Gluon kernels' `applies` run per launch."""
     return torch.cuda.get_device_capability(device_index) == (9, 0)
@@ -95,7 +95,7 @@ def tma_readable(x) -> bool:
     )
 
 
-def _tma_ready(x):
+def tma_ready(x):
     """x itself when `tma_readable`, else a copy into an `aligned_empty` buffer (TMA reads past
     its columns as zeros)."""
     if tma_readable(x):
@@ -103,7 +103,7 @@ def _tma_ready(x):
     return aligned_empty(*x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
-def _layout(block):
+def bf16_shared_layout(block):
     """The shared-memory layout of a bf16 Gluon tile of shape `block`."""
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.kernels.support import _interpreting, triton
+from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:
     import triton.language as tl
@@ -51,7 +51,7 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _exp(x, LIBDEVICE: tl.constexpr):
+    def exp_libdevice(x, LIBDEVICE: tl.constexpr):
         if LIBDEVICE:
             return libdevice.exp(x)
         else:  # the interpreter has no libdevice
@@ -74,7 +74,9 @@ if triton is not None:
         g = tl.load(gate_ptr + src, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + src, mask=ok, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
-        silu = tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)).to(dtype)  # rounded as F.silu's output
+        silu = tl.math.div_rn(g, 1.0 + exp_libdevice(-g, LIBDEVICE)).to(
+            dtype
+        )  # rounded as F.silu's output
         tl.store(out_ptr + offs, (silu.to(tl.float32) * u).to(dtype), mask=ok)
 
     @triton.jit
@@ -98,7 +100,7 @@ if triton is not None:
         g = tl.load(gate_up_ptr + src, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gate_up_ptr + src + cols, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(d_out_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        e = _exp(-g, LIBDEVICE)
+        e = exp_libdevice(-g, LIBDEVICE)
         s = tl.math.div_rn(1.0, 1.0 + e)  # sigmoid(g): 0 when exp overflows
         dtype = d_gate_up_ptr.dtype.element_ty
         tl.store(d_gate_up_ptr + dst, (dy * u * s * (1.0 + g * (1.0 - s))).to(dtype), mask=ok)
@@ -138,7 +140,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         cols,
         row_stride,
         BLOCK=BLOCK,
-        LIBDEVICE=not _interpreting(),
+        LIBDEVICE=not interpreting(),
         num_warps=4,
         enable_fp_fusion=False,
         enable_reflect_ftz=False,
@@ -185,7 +187,7 @@ def silu_mul_backward_triton(
             inner,
             gate_up.stride(0),
             BLOCK=BLOCK,
-            LIBDEVICE=not _interpreting(),
+            LIBDEVICE=not interpreting(),
             WRITE_ACT=with_act,
             num_warps=4,
             enable_fp_fusion=False,  # as the forward kernel: act bitwise the forward's
@@ -245,7 +247,7 @@ def _train_kernels_take(gate_up: torch.Tensor) -> bool:
     interpreter), one of the kernel's dtypes, unit column stride."""
     return (
         triton is not None
-        and (gate_up.is_cuda or _interpreting())
+        and (gate_up.is_cuda or interpreting())
         and gate_up.dtype in KERNEL_DTYPES
         and gate_up.stride(1) == 1
     )

@@ -23,7 +23,7 @@ import torch
 
 from fastgrpo import switches
 from fastgrpo.kernels import pdl
-from fastgrpo.kernels.support import _interpreting, triton
+from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:
     import triton.language as tl
@@ -102,7 +102,7 @@ def embed_and_angles_triton(
     if position_offset is not None and position_offset.numel() != 1:
         raise ValueError(f"position_offset must hold one value, got {tuple(position_offset.shape)}")
     x = torch.empty(T, H, dtype=embed_weight.dtype, device=ids.device)
-    out_dtype = torch.float32 if _interpreting() and dtype == torch.bfloat16 else dtype
+    out_dtype = torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
     cos = torch.empty(T, D, dtype=out_dtype, device=ids.device)
     sin = torch.empty_like(cos)
     if T:

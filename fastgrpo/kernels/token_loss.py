@@ -21,7 +21,7 @@ import torch
 
 from fastgrpo.algo.kl import KL_ESTIMATORS, kl_penalty
 from fastgrpo.algo.losses import cispo_surrogate, clipped_surrogate
-from fastgrpo.kernels.support import _interpreting, triton
+from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:
     import triton.language as tl
@@ -189,7 +189,7 @@ def token_loss_and_grads(logp, entropy, old, ref, sampling, adv, weights, settin
     delta = settings.get("delta")
     n = logp.shape[0]
     term, g, ge = (torch.empty_like(logp) for _ in range(3))
-    block = 128 if _interpreting() else 1024
+    block = 128 if interpreting() else 1024
     if n:
         _token_loss_kernel[(triton.cdiv(n, block),)](
             logp,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels.support import _interpreting, kernel_dtype, triton
+from fastgrpo.kernels.support import interpreting, kernel_dtype, triton
 from fastgrpo.train.batching import MicroBatch, MiniBatch
 from fastgrpo.train.logprobs import lm_head_weight
 from fastgrpo.train.optim import ModelOptimizer
@@ -25,7 +25,7 @@ def use_fused_lm_head(mode: str, model) -> bool:
         raise ValueError(
             "train.fused_lm_head=on needs Triton: `pip install triton`, or set it to auto"
         )
-    if mode == "on" and not (on_gpu or _interpreting()):
+    if mode == "on" and not (on_gpu or interpreting()):
         raise ValueError(
             f"train.fused_lm_head=on runs Triton kernels, which need the model on a CUDA GPU "
             f"(model.device is {model.device.type}); set train.fused_lm_head=auto or off, or "

@@ -277,7 +277,7 @@ def test_fp32_takes_blocks_that_fit_shared_memory_or_the_reference_with_one_noti
     fit (fp32 keys of d 256 on a 99 KB GPU) the reference serves, and says so once."""
     from fastgrpo.kernels import support
 
-    monkeypatch.setattr(ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
     monkeypatch.setattr(ops, "multiprocessors", lambda *device: 132)
     monkeypatch.setattr(ops, "shared_memory", lambda *device: 227 * 1024)
     monkeypatch.setattr(support, "_noticed", set())

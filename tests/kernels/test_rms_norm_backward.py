@@ -290,7 +290,7 @@ def test_bad_inputs_are_refused_with_value_errors():
 
 
 def test_cpu_tensors_without_the_interpreter_use_the_reference_by_autograd(monkeypatch):
-    monkeypatch.setattr(rms_norm, "_interpreting", lambda: False)
+    monkeypatch.setattr(rms_norm, "interpreting", lambda: False)
     gen = torch.Generator().manual_seed(9)
     x, residual, d_normed, d_new_residual = (torch.randn(5, 12, generator=gen) for _ in range(4))
     weight = 1 + 0.2 * torch.randn(12, generator=gen)

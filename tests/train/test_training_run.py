@@ -417,7 +417,7 @@ def test_fused_lm_head_on_with_a_cpu_model_and_no_interpreter_says_what_to_do(
 ):
     from fastgrpo.train import update
 
-    monkeypatch.setattr(update, "_interpreting", lambda: False)
+    monkeypatch.setattr(update, "interpreting", lambda: False)
     reward_file = write_test_rewards(tmp_path)
     overrides = tiny_overrides(
         tiny_model_dir,
