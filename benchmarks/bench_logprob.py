@@ -18,14 +18,14 @@ import subprocess
 
 import torch
 
-from fastgrpo.kernels import lm_head_grpo_loss as fused_module  # noqa: E402
-from fastgrpo.kernels.lm_head_grpo_loss import (  # noqa: E402
+from fastgrpo.kernels.train import lm_head_grpo_loss as fused_module  # noqa: E402
+from fastgrpo.kernels.train.lm_head_grpo_loss import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     _chunk_rows,
     fused_token_loss,
     per_token_loss,
 )
-from fastgrpo.kernels.lm_head_stats import lm_head_stats_ref, lm_head_stats_triton  # noqa: E402
+from fastgrpo.kernels.train.lm_head_stats import lm_head_stats_ref, lm_head_stats_triton  # noqa: E402
 
 SHAPES = [(16384, 896, 151936), (32768, 896, 151936), (8192, 3584, 152064)]
 BIG = (131072, 896, 151936)

@@ -74,11 +74,11 @@ def test_every_module_imports_and_the_public_ops_run_their_references_without_tr
             if module.name != "fastgrpo.__main__":
                 importlib.import_module(module.name)
 
-        from fastgrpo.kernels.lm_head_grpo_loss import lm_head_grpo_loss, lm_head_grpo_loss_ref
-        from fastgrpo.kernels.lm_head_logprob import lm_head_logprob, lm_head_logprob_ref
-        from fastgrpo.kernels.rms_norm import add_rms_norm_ref, add_rms_norm_train
-        from fastgrpo.kernels.rope import apply_rope_qk_ref, rope_qk_train
-        from fastgrpo.kernels.swiglu import silu_mul_ref, silu_mul_train
+        from fastgrpo.kernels.train.lm_head_grpo_loss import lm_head_grpo_loss, lm_head_grpo_loss_ref
+        from fastgrpo.kernels.train.lm_head_logprob import lm_head_logprob, lm_head_logprob_ref
+        from fastgrpo.kernels.layers.rms_norm import add_rms_norm_ref, add_rms_norm_train
+        from fastgrpo.kernels.layers.rope import apply_rope_qk_ref, rope_qk_train
+        from fastgrpo.kernels.layers.swiglu import silu_mul_ref, silu_mul_train
 
         torch.manual_seed(0)
         x, residual, w = torch.randn(5, 8), torch.randn(5, 8), torch.randn(8)

@@ -59,15 +59,15 @@ import statistics
 import torch
 
 from benchmarks.bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
-from fastgrpo.kernels import (  # noqa: E402
+from fastgrpo.kernels.decode import (  # noqa: E402
     decode_attention,
     decode_attention_gluon,
     decode_linear,
     decode_linear_gluon,
     lm_head_sample,
     pdl,
-    rms_norm,
 )
+from fastgrpo.kernels.layers import rms_norm  # noqa: E402
 from fastgrpo.rollout import decode  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 

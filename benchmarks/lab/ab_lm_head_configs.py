@@ -23,9 +23,9 @@ from triton.testing import do_bench
 
 from benchmarks.bench_logprob import fused_loss, make_inputs  # noqa: E402
 from benchmarks.bench_rollout import print_result_line  # noqa: E402
-from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
-from fastgrpo.kernels import lm_head_stats as stats  # noqa: E402
-from fastgrpo.kernels import lm_head_stats_gluon  # noqa: E402
+from fastgrpo.kernels.train import lm_head_backward as bwd  # noqa: E402
+from fastgrpo.kernels.train import lm_head_stats as stats  # noqa: E402
+from fastgrpo.kernels.train import lm_head_stats_gluon  # noqa: E402
 
 DEFAULTS = {
     "dh_blocks": bwd._dh_blocks,

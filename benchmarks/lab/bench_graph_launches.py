@@ -18,7 +18,7 @@ import triton.language as tl
 
 from benchmarks.bench_rollout import print_result_line  # noqa: E402
 from benchmarks.lab.tune_decode_linear import time_per_call  # noqa: E402
-from fastgrpo.kernels import pdl  # noqa: E402
+from fastgrpo.kernels.decode import pdl  # noqa: E402
 
 REPLAYS = 200
 

@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
 from fastgrpo.kernels.support import aligned_empty  # noqa: E402
+from fastgrpo.kernels.train import lm_head_stats as ops  # noqa: E402
 
 
 def main():

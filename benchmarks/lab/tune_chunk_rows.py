@@ -16,7 +16,7 @@ import os
 import torch
 
 from benchmarks.bench_logprob import SHAPES, fused_loss, make_inputs, measure  # noqa: E402
-from fastgrpo.kernels.lm_head_grpo_loss import DEFAULT_CHUNK_BYTES, _chunk_rows  # noqa: E402
+from fastgrpo.kernels.train.lm_head_grpo_loss import DEFAULT_CHUNK_BYTES, _chunk_rows  # noqa: E402
 
 
 def main():

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
 from benchmarks.lab.tune_decode_linear import LAYERS, time_per_call  # noqa: E402
-from fastgrpo.kernels import decode_attention  # noqa: E402
+from fastgrpo.kernels.decode import decode_attention  # noqa: E402
 
 # (BLOCK_N, num_warps, num_stages)
 BLOCKS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 2), (256, 4, 3)]

@@ -1,4 +1,4 @@
-"""The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode_linear.py`) at
+"""The decode step's linears at 64 and 256 rows: the fused kernel (`kernels/decode/decode_linear.py`) at
 several block configurations against what it replaces (add_rms_norm + cuBLAS + silu_mul). Both
 sides run the add_rms_norm kernel before q/k/v and gate/up, so the difference is the linear (and,
 for gate/up, the SiLU * up kernel that the kernel's epilogue replaces). For down_proj and o_proj
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
-from fastgrpo.kernels import decode_linear  # noqa: E402
-from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_triton  # noqa: E402
-from fastgrpo.kernels.swiglu import silu_mul_triton  # noqa: E402
+from fastgrpo.kernels.decode import decode_linear  # noqa: E402
+from fastgrpo.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_triton  # noqa: E402
+from fastgrpo.kernels.layers.swiglu import silu_mul_triton  # noqa: E402
 
 LAYERS = 24
 # name: (K, N, norm + residual, bias, swiglu)

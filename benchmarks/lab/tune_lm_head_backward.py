@@ -3,7 +3,7 @@
 One chunk of 2048 rows at the issue's shapes, every row with a gradient: times `add_dw_` (dW in
 fp32 or, with `--dw-dtype bfloat16`, in bf16 as the fused loss keeps it up to 16 chunks) and `dh`
 for each configuration, and cuBLAS's `addmm` / `mm` for the same work. Prints a table, then one
-JSON line. The chosen defaults live in `fastgrpo.kernels.lm_head_backward._dw_blocks` and
+JSON line. The chosen defaults live in `fastgrpo.kernels.train.lm_head_backward._dw_blocks` and
 `_dh_blocks`. A dW configuration may end in persistent (one program per SM, one pipelined loop
 over tiles) and reduce (the add into dW done by a bulk tensor reduce in L2) flags.
 Run on a CUDA GPU:  python -m benchmarks.lab.tune_lm_head_backward [--dw-configs "256,128,64,8,4,1,1"]
@@ -17,8 +17,8 @@ import json
 import torch
 from triton.testing import do_bench
 
-from fastgrpo.kernels import lm_head_backward as bwd  # noqa: E402
-from fastgrpo.kernels.lm_head_chunk_grads import add_matmul_f32_  # noqa: E402
+from fastgrpo.kernels.train import lm_head_backward as bwd  # noqa: E402
+from fastgrpo.kernels.train.lm_head_chunk_grads import add_matmul_f32_  # noqa: E402
 
 DW_CONFIGS = [  # (BLOCK_V, BLOCK_H, BLOCK_R, warps, stages)
     (256, 128, 64, 8, 3),

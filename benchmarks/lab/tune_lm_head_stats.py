@@ -3,7 +3,7 @@
 For each (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and number of vocabulary splits, times scoring
 (log-prob + entropy) and the fused GRPO loss forward + backward (which runs the same kernel with the
 logits store) on the issue's shapes, checks the log-probs against the fp32 reference, and prints a
-table, then one JSON line. The chosen defaults live in `fastgrpo.kernels.lm_head_stats._blocks`
+table, then one JSON line. The chosen defaults live in `fastgrpo.kernels.train.lm_head_stats._blocks`
 and `_num_splits`. Run on a CUDA GPU:  python -m benchmarks.lab.tune_lm_head_stats [--shapes 16384x896]
 """
 
@@ -17,7 +17,7 @@ import torch
 from triton.testing import do_bench
 
 from benchmarks.bench_logprob import fused_loss, make_inputs  # noqa: E402
-from fastgrpo.kernels import lm_head_stats as ops  # noqa: E402
+from fastgrpo.kernels.train import lm_head_stats as ops  # noqa: E402
 
 CONFIGS = [
     (128, 128, 64, 8, 3),

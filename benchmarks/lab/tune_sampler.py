@@ -1,5 +1,5 @@
 """The decode step's token sampler at a real vocabulary: the fused Triton sampler
-(`kernels/sample_tokens.py`) at several block configurations against the torch sampler.
+(`kernels/decode/sample_tokens.py`) at several block configurations against the torch sampler.
 
 Each sampler is timed as it runs in a decode step: 24 calls on 24 different logits buffers (so
 the logits are not all in L2) captured in one CUDA graph, the graph replayed; the time per call is
@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
 from benchmarks.lab.tune_decode_linear import LAYERS, time_per_call  # noqa: E402
-from fastgrpo.kernels.sample_tokens import _blocks, sample_tokens_fused  # noqa: E402
+from fastgrpo.kernels.decode.sample_tokens import _blocks, sample_tokens_fused  # noqa: E402
 from fastgrpo.rollout.sampling import SamplingParams, sample_tokens_torch  # noqa: E402
 
 VOCAB = 151936

@@ -39,13 +39,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo import switches
-from fastgrpo.kernels import decode_linear
-from fastgrpo.kernels.decode_attention import ProjectedParts
-from fastgrpo.kernels.rms_norm import add_rms_norm, add_rms_norm_train
-from fastgrpo.kernels.rope import apply_rope, apply_rope_qk_, rope_qk_train
+from fastgrpo.kernels.decode import decode_linear
+from fastgrpo.kernels.decode.decode_attention import ProjectedParts
+from fastgrpo.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_train
+from fastgrpo.kernels.layers.rope import apply_rope, apply_rope_qk_, rope_qk_train
+from fastgrpo.kernels.layers.swiglu import silu_mul, silu_mul_linear_train
+from fastgrpo.kernels.layers.token_inputs import embed_and_angles
 from fastgrpo.kernels.support import triton
-from fastgrpo.kernels.swiglu import silu_mul, silu_mul_linear_train
-from fastgrpo.kernels.token_inputs import embed_and_angles
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
 from fastgrpo.models.model_config import (  # noqa: F401 (re-exported: the model's own config)
     SUPPORTED_MODEL_TYPES,

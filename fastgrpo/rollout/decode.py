@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels.decode_record import record_step
+from fastgrpo.kernels.decode.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_from_hidden, sample_tokens

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels.decode_record import live_groups_into, live_groups_ref
+from fastgrpo.kernels.decode.decode_record import live_groups_into, live_groups_ref
 from fastgrpo.models.attention import flash_serves
 from fastgrpo.rollout.decode import WaveBuffers, prefill_graph_bytes, prefill_rows
 from fastgrpo.rollout.kv_cache import kv_bytes_per_token

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels.decode_attention import (
+from fastgrpo.kernels.decode.decode_attention import (
     ProjectedParts,
     decode_attention,
     rope_decode_attention,
     rope_decode_attention_parts,
     takes_projected_parts,
 )
-from fastgrpo.kernels.kv_write import write_kv
+from fastgrpo.kernels.decode.kv_write import write_kv
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -1,8 +1,8 @@
 """Token sampler of the generation engine: one call per decode step for a batch of rows.
 
 The sampling itself (Gumbel-max with counter-based noise, top-k and top-p) is specified by
-`fastgrpo.kernels.sampling_ref`, in PyTorch. On CUDA, greedy or with no top-k / top-p, `sample_tokens` runs the fused Triton sampler
-(`fastgrpo.kernels.sample_tokens`): the same noise and tokens in one pass over the logits instead
+`fastgrpo.kernels.decode.sampling_ref`, in PyTorch. On CUDA, greedy or with no top-k / top-p, `sample_tokens` runs the fused Triton sampler
+(`fastgrpo.kernels.decode.sample_tokens`): the same noise and tokens in one pass over the logits instead
 of ~15 whole-(B, V) torch ops. FASTGRPO_FUSED_SAMPLER=0 keeps the torch path everywhere.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels import lm_head_sample
-from fastgrpo.kernels.sample_tokens import KERNEL_DTYPES, sample_tokens_fused, triton
-from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
+from fastgrpo.kernels.decode import lm_head_sample
+from fastgrpo.kernels.decode.sample_tokens import KERNEL_DTYPES, sample_tokens_fused, triton
+from fastgrpo.kernels.decode.sampling_ref import SamplingParams, sample_tokens_torch
 
 __all__ = ["SamplingParams", "sample_from_hidden", "sample_tokens", "sample_tokens_torch"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo import switches
-from fastgrpo.kernels.lm_head_logprob import lm_head_logprob
+from fastgrpo.kernels.train.lm_head_logprob import lm_head_logprob
 from fastgrpo.models.attention import SharedKeys
 from fastgrpo.models.transformer import Transformer
 from fastgrpo.rollout.types import Rollout

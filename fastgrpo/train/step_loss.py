@@ -21,12 +21,12 @@ from functools import partial
 import torch
 
 from fastgrpo.algo import policy_loss
-from fastgrpo.kernels.lm_head_grpo_loss import (
+from fastgrpo.kernels.train.lm_head_grpo_loss import (
     lm_head_grpo_loss,
     lm_head_policy_loss,
     token_weights,
 )
-from fastgrpo.kernels.token_loss import TOKEN_LEVEL_LOSSES
+from fastgrpo.kernels.train.token_loss import TOKEN_LEVEL_LOSSES
 from fastgrpo.train.batching import MicroBatch
 from fastgrpo.train.logprobs import completion_logprobs, kept_hidden, lm_head_weight, unpack
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.lab import ab_lm_head_configs as ab
-from fastgrpo.kernels import lm_head_backward, lm_head_stats, lm_head_stats_gluon
+from fastgrpo.kernels.train import lm_head_backward, lm_head_stats, lm_head_stats_gluon
 
 
 def test_a_variant_sets_the_configurations_it_names_and_apply_restores_the_defaults():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import decode_attention as ops
+from fastgrpo.kernels.decode import decode_attention as ops
 
 pytestmark = NEEDS_TRITON
 

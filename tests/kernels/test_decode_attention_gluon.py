@@ -16,8 +16,8 @@ from test_decode_attention import (
     _rope_reference,
 )
 
-from fastgrpo.kernels import decode_attention as ops
-from fastgrpo.kernels import decode_attention_gluon as gluon_attention
+from fastgrpo.kernels.decode import decode_attention as ops
+from fastgrpo.kernels.decode import decode_attention_gluon as gluon_attention
 
 pytestmark = NEEDS_TRITON
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)

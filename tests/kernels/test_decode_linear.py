@@ -16,10 +16,11 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
 
-from fastgrpo.kernels import decode_linear, rms_norm, rope
-from fastgrpo.kernels.decode_linear import linear_ref, linear_triton
-from fastgrpo.kernels.kv_write import write_kv_ref
-from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm_ref
+from fastgrpo.kernels.decode import decode_linear
+from fastgrpo.kernels.decode.decode_linear import linear_ref, linear_triton
+from fastgrpo.kernels.decode.kv_write import write_kv_ref
+from fastgrpo.kernels.layers import rms_norm, rope
+from fastgrpo.kernels.layers.rms_norm import SplitSums, add_rms_norm_ref
 from fastgrpo.models import transformer
 from fastgrpo.models.attention import PackedCausalAttention
 from fastgrpo.models.transformer import ModelConfig, RotaryTable

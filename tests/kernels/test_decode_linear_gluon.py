@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_cases import UncompilableKernel
 
-from fastgrpo.kernels import decode_linear
-from fastgrpo.kernels import decode_linear_gluon as gluon_gate_up
+from fastgrpo.kernels.decode import decode_linear
+from fastgrpo.kernels.decode import decode_linear_gluon as gluon_gate_up
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

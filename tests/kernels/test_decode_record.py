@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import decode_record
+from fastgrpo.kernels.decode import decode_record
 
 pytestmark = NEEDS_TRITON
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU, random_model
 
-from fastgrpo.kernels import rms_norm, rope, swiglu
+from fastgrpo.kernels.layers import rms_norm, rope, swiglu
 from fastgrpo.models import transformer
 from fastgrpo.models.attention import PackedCausalAttention
 from fastgrpo.models.transformer import ModelConfig, RMSNorm, RotaryTable

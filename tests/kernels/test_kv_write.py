@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON
 
-from fastgrpo.kernels import kv_write
+from fastgrpo.kernels.decode import kv_write
 
 pytestmark = NEEDS_TRITON
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import lm_head_backward as bwd
+from fastgrpo.kernels.train import lm_head_backward as bwd
 
 pytestmark = NEEDS_TRITON
 

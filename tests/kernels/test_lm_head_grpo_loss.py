@@ -7,9 +7,9 @@ import torch
 from kernel_cases import DEVICE, LOSS_VARIANTS, ON_GPU, variant_id
 
 from fastgrpo.algo import policy_loss
-from fastgrpo.kernels import lm_head_chunk_grads as chunk_grads
-from fastgrpo.kernels import lm_head_grpo_loss as fused
-from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
+from fastgrpo.kernels.train import lm_head_chunk_grads as chunk_grads
+from fastgrpo.kernels.train import lm_head_grpo_loss as fused
+from fastgrpo.kernels.train.lm_head_logprob import lm_head_logprob_ref
 
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
 VARIANTS = LOSS_VARIANTS
@@ -170,7 +170,7 @@ def test_frozen_weight_gets_no_gradient_and_masked_rows_none():
 
 
 def test_training_log_probs_are_bitwise_the_scoring_log_probs():
-    from fastgrpo.kernels.lm_head_stats import lm_head_stats_triton
+    from fastgrpo.kernels.train.lm_head_stats import lm_head_stats_triton
 
     hidden, weight, targets, mask, advantages, _ = _batch(3)
     t = mask.shape[1]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from kernel_cases import UncompilableKernel
 
-from fastgrpo.kernels import lm_head_sample as ops
-from fastgrpo.kernels.rms_norm import add_rms_norm
-from fastgrpo.kernels.sampling_ref import _gumbel
+from fastgrpo.kernels.decode import lm_head_sample as ops
+from fastgrpo.kernels.decode.sampling_ref import _gumbel
+from fastgrpo.kernels.layers.rms_norm import add_rms_norm
 from fastgrpo.rollout import SamplingParams
 from fastgrpo.rollout.sampling import sample_from_hidden, sample_tokens
 

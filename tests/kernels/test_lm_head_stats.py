@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import lm_head_stats as ops
+from fastgrpo.kernels.train import lm_head_stats as ops
 
 pytestmark = NEEDS_TRITON
 

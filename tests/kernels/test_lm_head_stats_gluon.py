@@ -7,9 +7,9 @@ import pytest
 import torch
 from kernel_cases import UncompilableKernel
 
-from fastgrpo.kernels import lm_head_stats as ops
-from fastgrpo.kernels import lm_head_stats_gluon as gluon_stats
 from fastgrpo.kernels.support import aligned_empty
+from fastgrpo.kernels.train import lm_head_stats as ops
+from fastgrpo.kernels.train import lm_head_stats_gluon as gluon_stats
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

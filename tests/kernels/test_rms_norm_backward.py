@@ -22,7 +22,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import rms_norm
+from fastgrpo.kernels.layers import rms_norm
 
 pytestmark = NEEDS_TRITON
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
-from fastgrpo.kernels import sample_tokens as ops
-from fastgrpo.kernels import sampling_ref
-from fastgrpo.kernels.sampling_ref import _gumbel
+from fastgrpo.kernels.decode import sample_tokens as ops
+from fastgrpo.kernels.decode import sampling_ref
+from fastgrpo.kernels.decode.sampling_ref import _gumbel
 from fastgrpo.rollout import SamplingParams, sample_tokens, sampling
 
 pytestmark = NEEDS_TRITON

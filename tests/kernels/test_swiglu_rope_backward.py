@@ -18,7 +18,7 @@ import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 from test_fused_decoder_ops import DTYPES, INTERPRETER_ULPS, _cos_sin, _randn, _ulps
 
-from fastgrpo.kernels import rope, swiglu
+from fastgrpo.kernels.layers import rope, swiglu
 
 pytestmark = NEEDS_TRITON
 

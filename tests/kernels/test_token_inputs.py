@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, NEEDS_TRITON
 
-from fastgrpo.kernels.token_inputs import embed_and_angles_ref, embed_and_angles_triton
+from fastgrpo.kernels.layers.token_inputs import embed_and_angles_ref, embed_and_angles_triton
 
 pytestmark = NEEDS_TRITON
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, LOSS_VARIANTS, NEEDS_TRITON, variant_id
 
-from fastgrpo.kernels import token_loss as tk
+from fastgrpo.kernels.train import token_loss as tk
 
 pytestmark = NEEDS_TRITON
 VARIANTS = LOSS_VARIANTS + [dict(loss_type="dapo", epsilon_high=0.28, importance_sampling_cap=1.5)]

@@ -15,7 +15,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from fastgrpo.kernels.decode_attention import decode_attention_ref
+from fastgrpo.kernels.decode.decode_attention import decode_attention_ref
 from fastgrpo.models.sources import cache_dir
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.decode import PrefillInputs, WaveBuffers, prefill_rows, prompt_buckets
@@ -550,7 +550,7 @@ def test_a_captured_graph_samples_from_weights_an_optimizer_changed_in_place():
 def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
     """The decode kernels' PDL waits only order memory: with it on and off (FASTGRPO_PDL=0),
     graphed rollouts give bitwise the same tokens and log-probs."""
-    from fastgrpo.kernels import pdl
+    from fastgrpo.kernels.decode import pdl
 
     _, ours = tiny_pair("qwen2", seed=9)
     ours = ours.cuda().to(torch.bfloat16)
@@ -572,7 +572,7 @@ def test_q_k_v_as_split_k_parts_keep_the_engines_log_probs_as_close_to_the_train
     """Where the Gluon attention serves (Hopper; 64 rows x 2 kv heads of d 64), the packed q/k/v
     GEMM hands it split-K parts plus the bias (Qwen2) to add up: the rollout's log-probs agree
     with the fp32 trainer's as well as with q/k/v whole."""
-    from fastgrpo.kernels import decode_attention_gluon, decode_linear
+    from fastgrpo.kernels.decode import decode_attention_gluon, decode_linear
 
     torch.manual_seed(11)
     hf_config = Qwen2Config(

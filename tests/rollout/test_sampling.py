@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from fastgrpo.kernels.sampling_ref import _filter, _gumbel, _mix64, column_bits
+from fastgrpo.kernels.decode.sampling_ref import _filter, _gumbel, _mix64, column_bits
 from fastgrpo.rollout import SamplingParams, sample_tokens
 
 ALPHA = 1e-8

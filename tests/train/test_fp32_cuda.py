@@ -16,8 +16,8 @@ import torch
 from transformers import LlamaConfig
 
 from fastgrpo.kernels import support
-from fastgrpo.kernels.lm_head_grpo_loss import lm_head_grpo_loss
-from fastgrpo.kernels.lm_head_logprob import lm_head_logprob, lm_head_logprob_ref
+from fastgrpo.kernels.train.lm_head_grpo_loss import lm_head_grpo_loss
+from fastgrpo.kernels.train.lm_head_logprob import lm_head_logprob, lm_head_logprob_ref
 from fastgrpo.models import transformer
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.engine import RolloutEngine

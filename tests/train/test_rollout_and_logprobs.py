@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
+from fastgrpo.kernels.train.lm_head_logprob import lm_head_logprob_ref
 from fastgrpo.models import stop_token_ids
 from fastgrpo.rollout import Rollout, completion_mask, generate_rollout
 from fastgrpo.train.logprobs import completion_logprobs, trim_padding

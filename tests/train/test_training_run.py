@@ -396,7 +396,7 @@ def test_fused_lm_head_path_gives_the_reference_training_curve(extra, tiny_model
 
 @CPU_INTERPRETER_ONLY
 def test_fused_lm_head_on_really_runs_the_fused_kernels(tiny_model_dir, tmp_path, monkeypatch):
-    from fastgrpo.kernels import lm_head_grpo_loss as fused
+    from fastgrpo.kernels.train import lm_head_grpo_loss as fused
 
     calls = []
     original = fused._FusedLMHeadLoss.apply

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels import pdl
+from fastgrpo.kernels.decode import pdl
 from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:

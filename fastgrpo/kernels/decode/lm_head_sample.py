@@ -44,10 +44,10 @@ from __future__ import annotations
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels import pdl
-from fastgrpo.kernels.pdl import gluon_start, gluon_wait
-from fastgrpo.kernels.sample_tokens import check_sampling_args
-from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
+from fastgrpo.kernels.decode import pdl
+from fastgrpo.kernels.decode.pdl import gluon_start, gluon_wait
+from fastgrpo.kernels.decode.sample_tokens import check_sampling_args
+from fastgrpo.kernels.decode.sampling_ref import SamplingParams, sample_tokens_torch
 from fastgrpo.kernels.support import (
     LN2,
     LOG2E,

@@ -1,5 +1,5 @@
 """The token sampler's specification in PyTorch: the reference every fused sampler is tested
-against (`kernels/sample_tokens.py`, `kernels/lm_head_sample.py`), and the path for any settings.
+against (`kernels/decode/sample_tokens.py`, `kernels/decode/lm_head_sample.py`), and the path for any settings.
 
 Sampling is Gumbel-max, `argmax(logits / T + g)`, with the Gumbel noise `g` drawn from a
 counter-based hash rather than a `torch.Generator`: the noise of row b at vocabulary index v is a

@@ -55,8 +55,8 @@ import math
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels import pdl
-from fastgrpo.kernels.pdl import gluon_start, gluon_wait
+from fastgrpo.kernels.decode import pdl
+from fastgrpo.kernels.decode.pdl import gluon_start, gluon_wait
 from fastgrpo.kernels.support import (
     LOG2E,
     bf16_shared_layout,

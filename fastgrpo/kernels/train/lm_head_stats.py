@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels import lm_head_stats_gluon
 from fastgrpo.kernels.support import (
     LN2,
     LOG2E,
@@ -30,6 +29,7 @@ from fastgrpo.kernels.support import (
     tma_ready,
     triton,
 )
+from fastgrpo.kernels.train import lm_head_stats_gluon
 
 if triton is not None:
     import triton.language as tl

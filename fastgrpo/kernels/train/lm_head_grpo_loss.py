@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels import lm_head_backward as backward_gemms
-from fastgrpo.kernels.lm_head_chunk_grads import (
+from fastgrpo.kernels.support import aligned_empty, interpreting, kernel_dtype, triton
+from fastgrpo.kernels.train import lm_head_backward as backward_gemms
+from fastgrpo.kernels.train.lm_head_chunk_grads import (
     ROW_BLOCK,
     add_matmul_f32_,
     chunk_references,
@@ -35,10 +36,9 @@ from fastgrpo.kernels.lm_head_chunk_grads import (
     scale_by_,
     scale_rows,
 )
-from fastgrpo.kernels.lm_head_logprob import lm_head_logprob_ref
-from fastgrpo.kernels.lm_head_stats import ChunkStats, lm_head_stats_triton
-from fastgrpo.kernels.support import aligned_empty, interpreting, kernel_dtype, triton
-from fastgrpo.kernels.token_loss import (
+from fastgrpo.kernels.train.lm_head_logprob import lm_head_logprob_ref
+from fastgrpo.kernels.train.lm_head_stats import ChunkStats, lm_head_stats_triton
+from fastgrpo.kernels.train.token_loss import (
     TOKEN_LEVEL_LOSSES,
     loss_and_grads,
     per_token_loss,

@@ -43,8 +43,8 @@ from __future__ import annotations
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels import pdl
-from fastgrpo.kernels.pdl import gluon_start, gluon_wait
+from fastgrpo.kernels.decode import pdl
+from fastgrpo.kernels.decode.pdl import gluon_start, gluon_wait
 from fastgrpo.kernels.support import (
     bf16_shared_layout,
     gluon,

@@ -46,9 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo import switches
-from fastgrpo.kernels import decode_linear_gluon, pdl
-from fastgrpo.kernels.decode_attention import ProjectedParts
-from fastgrpo.kernels.rms_norm import SplitSums, add_rms_norm
+from fastgrpo.kernels.decode import decode_linear_gluon, pdl
+from fastgrpo.kernels.decode.decode_attention import ProjectedParts
+from fastgrpo.kernels.layers.rms_norm import SplitSums, add_rms_norm
+from fastgrpo.kernels.layers.swiglu import silu_mul
 from fastgrpo.kernels.support import (
     TensorDescriptor,
     interpreting,
@@ -57,12 +58,13 @@ from fastgrpo.kernels.support import (
     tma_ready,
     triton,
 )
-from fastgrpo.kernels.swiglu import silu_mul
 
 if triton is not None:
     import triton.language as tl
 
-    from fastgrpo.kernels.swiglu import exp_libdevice  # libdevice's exp, numpy's in the interpreter
+    from fastgrpo.kernels.layers.swiglu import (
+        exp_libdevice,  # libdevice's exp, numpy's in the interpreter
+    )
 
 # FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
 ENABLED = switches.DECODE_LINEAR

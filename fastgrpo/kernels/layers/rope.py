@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels import pdl
-from fastgrpo.kernels.kv_write import check_cache_write, write_kv_ref
+from fastgrpo.kernels.decode import pdl
+from fastgrpo.kernels.decode.kv_write import check_cache_write, write_kv_ref
 from fastgrpo.kernels.support import interpreting, triton
 
 if triton is not None:

@@ -44,8 +44,8 @@ import math
 
 import torch
 
-from fastgrpo.kernels import pdl
-from fastgrpo.kernels.sampling_ref import SamplingParams, sample_tokens_torch
+from fastgrpo.kernels.decode import pdl
+from fastgrpo.kernels.decode.sampling_ref import SamplingParams, sample_tokens_torch
 from fastgrpo.kernels.support import LN2, LOG2E, interpreting, triton
 
 if triton is not None:

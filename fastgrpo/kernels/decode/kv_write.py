@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels import pdl
+from fastgrpo.kernels.decode import pdl
 from fastgrpo.kernels.support import triton
 
 if triton is not None:

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo import switches
-from fastgrpo.kernels import decode_attention_gluon, pdl
-from fastgrpo.kernels.kv_write import check_cache_write
-from fastgrpo.kernels.rope import rope_write_kv_, rope_write_kv_ref
+from fastgrpo.kernels.decode import decode_attention_gluon, pdl
+from fastgrpo.kernels.decode.kv_write import check_cache_write
+from fastgrpo.kernels.layers.rope import rope_write_kv_, rope_write_kv_ref
 from fastgrpo.kernels.support import (
     LOG2E,
     interpreting,
@@ -113,7 +113,7 @@ if triton is not None:
         """Rows of x (R, D) rotated as `rope.apply_rope_qk_` rotates them, bitwise: with
         x_swapped the row's halves exchanged and sin_signed = cat(-sin1, sin2), x * cos +
         x_swapped * sin_signed, each product rounded to x's dtype before the fp32 add, as torch's
-        separate kernels round them (see kernels/rope.py)."""
+        separate kernels round them (see kernels/layers/rope.py)."""
         dtype = x.dtype
         a = (x.to(tl.float32) * cos_row[None, :]).to(dtype).to(tl.float32)
         c = (x_swapped.to(tl.float32) * sin_signed[None, :]).to(dtype).to(tl.float32)

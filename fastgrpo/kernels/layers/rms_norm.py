@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.kernels import pdl
+from fastgrpo.kernels.decode import pdl
 from fastgrpo.kernels.support import interpreting, multiprocessors, triton
 
 if triton is not None:

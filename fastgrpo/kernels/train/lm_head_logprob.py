@@ -77,8 +77,8 @@ def lm_head_logprob(
     the fused loss goes through `lm_head_grpo_loss`. In fp32 the reference serves unless `fused`
     asks for the kernel: the kernel's IEEE fp32 products run on the CUDA cores, several times
     slower than cuBLAS at the same precision."""
-    from fastgrpo.kernels.lm_head_stats import lm_head_stats_triton
     from fastgrpo.kernels.support import kernel_dtype, triton
+    from fastgrpo.kernels.train.lm_head_stats import lm_head_stats_triton
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if fused is None:
