@@ -1,5 +1,6 @@
 """Rewards of a rollout: its completions decoded, each task record's columns repeated for its
-samples, every reward called, and the accuracy the trainer reports."""
+samples, every reward called, and which answers are right (the accuracy the trainer and the
+evaluation report)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from fastgrpo.rewards.registry import RewardResult, RewardSet
 
 @dataclass
 class RolloutRewards:
+    completions: list[str]  # each row's decoded text
     result: RewardResult  # weighted totals (one per row), each reward's values, failures
-    accuracy: float  # share of rows whose final answer equals the reference
+    correct: list[float]  # 1.0 where a row's final answer equals the reference
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct)
 
 
 def decode_completions(tokenizer, rollout) -> list[str]:
@@ -41,4 +47,4 @@ def score_rollout(
     correct = rewards.values_of(math_accuracy, result)  # the default reward: scored above
     if correct is None:
         correct = math_accuracy(prompts, completions, **columns)
-    return RolloutRewards(result, sum(correct) / len(completions))
+    return RolloutRewards(completions, result, correct)

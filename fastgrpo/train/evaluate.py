@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fastgrpo.data import Example, render_prompt
-from fastgrpo.rewards import RewardSet, math_accuracy
-from fastgrpo.rewards.rollout_rewards import decode_completions, reward_columns
+from fastgrpo.rewards import RewardSet
+from fastgrpo.rewards.rollout_rewards import reward_columns, score_rollout
 from fastgrpo.rollout import generate_rollout
 
 
@@ -51,15 +51,15 @@ def evaluate(
                 top_k=top_k,
                 top_p=top_p,
             )
-            completions = decode_completions(tokenizer, rollout)
-            prompts = [ex.prompt for ex in chunk]
-            columns = reward_columns(chunk, 1)
-            correct += sum(math_accuracy(prompts, completions, **columns))
-            reward_total += sum(rewards(prompts, completions, columns).total)
+            scores = score_rollout(rewards, tokenizer, chunk, rollout, 1)
+            correct += sum(scores.correct)
+            reward_total += sum(scores.result.total)
             length_total += rollout.lengths.sum().item()
             truncated += int((~rollout.finished).sum())
             if samples is not None:
-                samples.extend(zip(prompts, completions, columns["answer"]))
+                prompts = [ex.prompt for ex in chunk]
+                answers = reward_columns(chunk, 1)["answer"]
+                samples.extend(zip(prompts, scores.completions, answers))
     n = max(len(examples), 1)
     return {
         "accuracy": correct / n,
