@@ -62,6 +62,7 @@ class MasterWeights:
         self._grad_bytes = self._grad_storage.nbytes()
         self._grad_storage.resize_(0)  # allocated only while a step runs
         self._grads = [m.grad for m in self.masters]
+        self._some_without_gradient = False  # load_gradients' slow path ran this step
 
     def load_gradients(self) -> bool:
         """Cast the parameters' gradients into the masters' fp32 gradients; False when no
@@ -77,13 +78,15 @@ class MasterWeights:
         else:  # rare (a parameter outside this loss): the slow path
             for master, view, grad in zip(self.masters, self._grads, grads):
                 master.grad = None if grad is None else view.copy_(grad)
+            self._some_without_gradient = True
         return True
 
     def release_gradients(self) -> None:
         """Free the fp32 gradient buffers (after the optimizer step)."""
-        for master, view in zip(self.masters, self._grads):
-            if master.grad is None:  # put back what load_gradients' slow path took away
+        if self._some_without_gradient:  # put back what load_gradients' slow path took away
+            for master, view in zip(self.masters, self._grads):
                 master.grad = view
+            self._some_without_gradient = False
         self._grad_storage.resize_(0)
 
     @torch.no_grad()

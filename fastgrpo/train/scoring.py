@@ -23,11 +23,10 @@ def score_reference(
     ref_model, plan: list[MiniBatch], *, temperature: float, token_budget: int, fused: bool
 ) -> None:
     """Set each micro-batch's `ref_logp` (b, Tc): the frozen reference's log-probs."""
+    budget = SCORING_BUDGET_FACTOR * token_budget
     for mini in plan:
-        budget = SCORING_BUDGET_FACTOR * token_budget
-        for mb, logp in zip(
-            mini.micro, score_groups(ref_model, mini.micro, budget, temperature, fused)
-        ):
+        scored = score_groups(ref_model, mini.micro, budget, temperature, fused)
+        for mb, logp in zip(mini.micro, scored):
             mb.ref_logp = logp
 
 

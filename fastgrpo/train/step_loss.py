@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
@@ -82,10 +82,15 @@ class LossSettings:
         """Whether a row with zero advantage has zero gradient (no KL, no entropy bonus)."""
         return self.beta == 0 and self.entropy_coef == 0
 
+    @cached_property
     def policy_options(self) -> dict:
-        options = asdict(self)
-        del options["temperature"]
-        return options
+        """`policy_loss`'s keywords (resolved once: the loss runs per micro-batch)."""
+        return {k: v for k, v in asdict(self).items() if k != "temperature"}
+
+    @cached_property
+    def per_token_options(self) -> dict:
+        """The fused per-token kernel's keywords."""
+        return {k: v for k, v in self.policy_options.items() if k in PER_TOKEN_SETTINGS}
 
 
 # loss(model, micro-batch, sequences and tokens of its mini-batch) -> (loss, metrics)
@@ -114,7 +119,7 @@ def _policy_loss_on(mb: MicroBatch, logp, entropy, num_sequences, num_tokens, se
         sampling_logp=mb.rollout.sampling_logp,
         num_sequences=num_sequences,
         num_tokens=num_tokens,
-        **settings.policy_options(),
+        **settings.policy_options,
     )
 
 
@@ -138,7 +143,6 @@ def fused_token_loss(model, mb: MicroBatch, num_sequences, num_tokens, *, settin
     )  # (b, Tc)
     rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
     pick = lambda x: None if x is None else x[keep]  # noqa: E731
-    per_token = {k: v for k, v in settings.policy_options().items() if k in PER_TOKEN_SETTINGS}
     loss, logp, entropy = lm_head_grpo_loss(
         kept_hidden(model, mb.rollout),  # (n, H)
         lm_head_weight(model),  # (V, H)
@@ -150,7 +154,7 @@ def fused_token_loss(model, mb: MicroBatch, num_sequences, num_tokens, *, settin
         sampling_logp=pick(mb.rollout.sampling_logp),
         temperature=settings.temperature,
         fused=True,
-        **per_token,
+        **settings.per_token_options,
     )
     return loss, _metrics(mb, keep, logp, entropy, num_sequences, num_tokens, settings)
 

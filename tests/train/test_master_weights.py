@@ -160,6 +160,21 @@ def test_gradient_buffers_exist_only_during_a_step():
     assert masters.masters[0].grad.untyped_storage().nbytes() == 0
 
 
+def test_a_parameter_without_a_gradient_is_left_alone_for_that_step_only():
+    used = torch.nn.Parameter(torch.randn(8, 4).bfloat16())
+    unused = torch.nn.Parameter(torch.randn(4).bfloat16())
+    masters = MasterWeights([used, unused])
+    used.grad = torch.randn(8, 4).bfloat16()
+    assert masters.load_gradients()
+    assert masters.masters[1].grad is None  # AdamW skips it
+    assert torch.equal(masters.masters[0].grad, used.grad.float())
+    masters.release_gradients()
+    assert all(m.grad is not None for m in masters.masters)  # its buffer is back for later steps
+    unused.grad = torch.randn(4).bfloat16()
+    assert masters.load_gradients()
+    assert torch.equal(masters.masters[1].grad, unused.grad.float())
+
+
 def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
     # 0.0301 lies between the bf16 values 0.030029296875 and 0.0301513671875, 58% of the way up
     value = 0.0301
