@@ -1,14 +1,15 @@
 """Rollout through the native engine, returned as the same `Rollout` the HF path gives.
 
 One engine is kept per model (its buffers, and later its CUDA graphs, outlive a step) and reads the
-model's own parameters. Per-sample seeds come from torch's default generator, so a seeded run (and
+model's own parameters. It lives on the model as a plain attribute, so it dies with the model: a
+table keyed weakly by the model would never let go, because the engine refers to its model.
+`release_engine` frees it (KV cache, graphs) at once, without waiting for the garbage collector. Per-sample seeds come from torch's default generator, so a seeded run (and
 the evaluation's forked RNG) is reproducible exactly as with HF `generate`.
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import numpy as np
 import torch
@@ -18,17 +19,23 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.transfer import to_device
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENGINE_ATTRIBUTE = "_fastgrpo_rollout_engine"
 
 
 def engine_for(model, stop_ids: list[int], pad_id: int) -> RolloutEngine:
     """The model's engine, made on first use (and again if the stop ids or pad id change)."""
     key = (tuple(sorted(set(stop_ids))), pad_id)
-    made = _ENGINES.get(model)
+    made = model.__dict__.get(_ENGINE_ATTRIBUTE)
     if made is None or made[0] != key:
+        release_engine(model)  # the old engine's cache goes before the new one is allocated
         made = key, RolloutEngine(model, stop_ids=stop_ids, pad_id=pad_id)
-        _ENGINES[model] = made
+        model.__dict__[_ENGINE_ATTRIBUTE] = made
     return made[1]
+
+
+def release_engine(model) -> None:
+    """Drop the model's engine, if it has one; the next rollout makes a new one."""
+    model.__dict__.pop(_ENGINE_ATTRIBUTE, None)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

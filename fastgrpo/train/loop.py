@@ -21,7 +21,7 @@ from fastgrpo.config import Config, ConfigError, config_from_dict, validate
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
 from fastgrpo.models import Transformer
 from fastgrpo.rewards.rollout_rewards import score_rollout
-from fastgrpo.rollout import generate_rollout
+from fastgrpo.rollout import generate_rollout, release_engine
 from fastgrpo.train.batching import plan_update
 from fastgrpo.train.checkpoint import (
     latest_checkpoint,
@@ -182,6 +182,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     if config.eval.after and not stop.requested and step == config.train.steps:
         result.eval_after = evaluate_now(step, "after")
     metrics.close()
+    release_engine(model)  # its KV cache and graphs go now, not at the next garbage collection
     return result
 
 

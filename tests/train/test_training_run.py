@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import textwrap
@@ -173,6 +174,21 @@ def test_training_changes_the_weights_and_a_new_run_refuses_an_existing_run_fold
     with pytest.raises(ConfigError, match="--resume"):
         run_training(None, overrides=tiny_overrides(tiny_model_dir, run_dir, steps=1))
     assert all(torch.equal(before[k], v) for k, v in weights(latest_checkpoint(run_dir)).items())
+
+
+def live_parameters() -> int:
+    gc.collect()
+    return sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())
+
+
+def test_a_finished_run_leaves_no_model_alive(tiny_model_dir, tmp_path):
+    """Runs in one process (a notebook, a sweep) must not pile up: each used to keep its model,
+    and on a GPU its KV cache and graphs, alive through the rollout engine's table."""
+    before = live_parameters()
+    for name in ("a", "b"):
+        overrides = tiny_overrides(tiny_model_dir, tmp_path / name, steps=1, **{"algo.beta": 0.04})
+        run_training(None, overrides=overrides)
+        assert live_parameters() == before
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the fp32 masters resume too
