@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo import switches
-
-# FASTGRPO_PINNED_COPIES=0: plain (blocking) copies, to compare
-PINNED_COPIES = switches.PINNED_COPIES
-
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`tensor` (on the host) on `device`: through pinned memory, without blocking, for a CUDA
     device; as `tensor.to(device)` otherwise."""
     device = torch.device(device)
-    if not PINNED_COPIES or device.type != "cuda" or tensor.device.type != "cpu":
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

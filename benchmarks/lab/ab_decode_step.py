@@ -10,8 +10,8 @@ in the round falls on every variant alike (once, the same settings measured 21 u
 first and the last of a round: results/decode_step_ab_h100_v1.txt, section 8); give a multiple of
 the variant count as --rounds.
 
-A variant sets module attributes (the settings the decode kernels read at each launch, which their
-FASTGRPO_* variables set at import) and gets a fresh engine, so its graph is captured with them.
+A variant sets module attributes (the settings the decode kernels read at each launch) and gets a
+fresh engine, so its graph is captured with them.
 Variants (`--variants`, the first is the baseline):
   default                 the settings as committed
   default-again           the same, measured as if it were a change (the harness's own noise)
@@ -28,8 +28,6 @@ Variants (`--variants`, the first is the baseline):
                           split-K parts that the norm after it adds up
   lm-head-sampler-off     the LM head by cuBLAS and the sampler on its logits, not the fused
                           Gluon kernel
-  positions-by-add        a decode step's positions formed by a torch add (a plain launch), not
-                          in the token-inputs kernel
   combine-plain           the fused LM-head sampler's per-row merge as a plain launch
   lm-head-plain           the fused LM-head sampler as a plain launch in the captured step too,
                           its weight asked for only at its start (as before session 18)
@@ -68,7 +66,6 @@ from fastgrpo.kernels.decode import (  # noqa: E402
     pdl,
 )
 from fastgrpo.kernels.layers import rms_norm  # noqa: E402
-from fastgrpo.rollout import decode  # noqa: E402
 from fastgrpo.rollout.engine import RolloutEngine  # noqa: E402
 
 NEW_TOKENS = 256
@@ -103,7 +100,6 @@ VARIANTS = {
     "o-proj-whole": {(decode_linear, "SHORT_K_RANGE"): 0},
     "qkv-whole": {(decode_linear, "QKV_K_RANGE"): 0},
     "lm-head-sampler-off": {(lm_head_sample, "ENABLED"): False},
-    "positions-by-add": {(decode, "FOLD_POSITIONS"): False},
     "combine-plain": {(lm_head_sample, "COMBINE_PDL"): False},
     "lm-head-plain": {(lm_head_sample, "WEIGHT_BEFORE_WAIT"): False},
     "lm-head-4-warps": {(lm_head_sample, "NUM_WARPS"): 4},

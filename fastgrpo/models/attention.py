@@ -359,8 +359,10 @@ class FlashVarlenCausal(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-# FASTGRPO_FLASH_AUTOGRAD=0 sends training attention through `varlen_attn` instead (to compare)
-FLASH_AUTOGRAD = switches.FLASH_AUTOGRAD
+FLASH_AUTOGRAD = True
+"""Training attention through `FlashVarlenCausal` (grouped k/v, no repeat); the GPU tests set it
+False to check it against torch's `varlen_attn` autograd on repeated k/v, which the windowed
+no-gradient path uses."""
 
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ from fastgrpo.models.packed import PackedLinears, packed_linear
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# FASTGRPO_FUSED_OPS=0 keeps inference on the PyTorch ops (to compare or to bisect)
+# FASTGRPO_FUSED_OPS=0 keeps the forwards on the PyTorch ops (to bisect)
 FUSED_OPS = switches.FUSED_OPS
 
 

@@ -23,15 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastgrpo import switches
 from fastgrpo.kernels.decode.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from fastgrpo.rollout.sampling import SamplingParams, sample_from_hidden, sample_tokens
 from fastgrpo.transfer import to_device
 
-# FASTGRPO_FOLD_POSITIONS=0 forms a decode step's positions by a torch add (to compare)
-FOLD_POSITIONS = switches.FOLD_POSITIONS
 PREFILL_GRAPHS_KEPT = 2
 """Captured prefills kept per wave shape (one per row bucket, most recently used kept)."""
 
@@ -336,8 +333,8 @@ class WaveBuffers:
         s, model = live.state, self.model
         # each row's prompt length + this step's slot: added in the step's first kernel, not by
         # a torch add (a plain launch in the chain of programmatic dependent launches)
-        folded = dict(position_offset=s.slot) if FOLD_POSITIONS else {}
-        positions = live.base_positions if FOLD_POSITIONS else live.base_positions + s.slot
+        folded = dict(position_offset=s.slot)
+        positions = live.base_positions
         hidden = model(
             s.last_token,
             positions,

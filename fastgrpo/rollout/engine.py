@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo import switches
 from fastgrpo.kernels.decode.decode_record import live_groups_into, live_groups_ref
 from fastgrpo.models.attention import flash_serves
 from fastgrpo.rollout.decode import WaveBuffers, prefill_graph_bytes, prefill_rows
@@ -41,10 +40,6 @@ log = logging.getLogger("fastgrpo.rollout")
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
 KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
-# FASTGRPO_COMPACT=0 keeps every row of a wave stepping until all have finished (to compare)
-COMPACT = switches.COMPACT
-# FASTGRPO_PREFILL_GRAPHS=0 runs every prefill eagerly (to compare)
-PREFILL_GRAPHS = switches.PREFILL_GRAPHS
 PREFILL_GRAPH_SHARE = 16
 """A prefill is captured as a graph only where its pool's estimate is at most 1 / 16 of the memory
 budget: the pool stays allocated between rollouts, as the KV cache does."""
@@ -75,8 +70,8 @@ class RolloutEngine:
         memory_bytes: int | None = None,
         check_every: int = 8,
         cuda_graphs: bool = True,
-        prefill_graphs: bool | None = None,
-        compact: bool | None = None,
+        prefill_graphs: bool = True,
+        compact: bool = True,
     ):
         if not stop_ids:
             raise ValueError("stop_ids is empty: give at least one token id that ends a completion")
@@ -92,10 +87,8 @@ class RolloutEngine:
             )
         self.check_every = check_every
         self.cuda_graphs = cuda_graphs
-        # None: PREFILL_GRAPHS (on unless FASTGRPO_PREFILL_GRAPHS=0)
-        self.prefill_graphs = PREFILL_GRAPHS if prefill_graphs is None else prefill_graphs
-        # None: COMPACT (on unless FASTGRPO_COMPACT=0)
-        self.compact = COMPACT if compact is None else compact
+        self.prefill_graphs = prefill_graphs
+        self.compact = compact
         # where the device runs ahead of the host, the host's looks at the finish flags lag by one
         self.lagged_looks = self.device.type == "cuda"
         self._kept: dict[tuple, WaveBuffers] = {}

@@ -3,7 +3,7 @@
 The sampling itself (Gumbel-max with counter-based noise, top-k and top-p) is specified by
 `fastgrpo.kernels.decode.sampling_ref`, in PyTorch. On CUDA, greedy or with no top-k / top-p, `sample_tokens` runs the fused Triton sampler
 (`fastgrpo.kernels.decode.sample_tokens`): the same noise and tokens in one pass over the logits instead
-of ~15 whole-(B, V) torch ops. FASTGRPO_FUSED_SAMPLER=0 keeps the torch path everywhere.
+of ~15 whole-(B, V) torch ops. FASTGRPO_DECODE_KERNELS=0 keeps the torch path everywhere.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from fastgrpo.kernels.decode.sampling_ref import SamplingParams, sample_tokens_t
 
 __all__ = ["SamplingParams", "sample_from_hidden", "sample_tokens", "sample_tokens_torch"]
 
-# read once at import; tests flip the module attribute
-FUSED_SAMPLER = switches.FUSED_SAMPLER
+# FASTGRPO_DECODE_KERNELS=0 keeps the torch sampler on CUDA too; tests flip the attribute
+FUSED_SAMPLER = switches.DECODE_KERNELS
 
 
 def sample_tokens(

@@ -210,7 +210,7 @@ def test_sample_tokens_runs_the_kernel_for_plain_settings_on_cuda_only(monkeypat
             sampling_ref._filter(logits.float(), params), params.temperature, seeds, step
         )
         _assert_same_tokens(tokens, want, gap)
-    monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)  # FASTGRPO_FUSED_SAMPLER=0
+    monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)  # FASTGRPO_DECODE_KERNELS=0
     calls.clear()
     sample_tokens(logits, SamplingParams(1.0), seeds, step)
     assert not calls

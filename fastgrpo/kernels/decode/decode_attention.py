@@ -66,15 +66,13 @@ from fastgrpo.kernels.support import (
 if triton is not None:
     import triton.language as tl
 
-# FASTGRPO_DECODE_ATTENTION=ref keeps CUDA tensors on the reference (to compare or to bisect)
-USE_TRITON = switches.DECODE_ATTENTION_TRITON
+# FASTGRPO_DECODE_KERNELS=0 keeps CUDA tensors on the reference (to bisect)
+USE_TRITON = switches.DECODE_KERNELS
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# FASTGRPO_ROPE_ATTENTION=0 keeps the decode step's RoPE + KV write a kernel of its own (to compare)
-ROPE_IN_ATTENTION = switches.ROPE_IN_ATTENTION
-# FASTGRPO_ATTENTION_SPLITS=n fixes the key splits per (row, kv head) on the GPU (to compare)
-SPLITS = switches.ATTENTION_SPLITS
-# FASTGRPO_ATTENTION_BLOCKS=n,w,s fixes (BLOCK_N, num_warps, num_stages) on the GPU (to compare)
-BLOCKS = switches.ATTENTION_BLOCKS
+SPLITS = 0
+"""Key splits per (row, kv head) on the GPU; 0 chooses by shape (the lab's A/B scripts fix it)."""
+BLOCKS: tuple[int, ...] = ()
+"""(BLOCK_N, num_warps, num_stages) on the GPU; () chooses by shape (the lab's A/B scripts fix it)."""
 
 
 def decode_attention_ref(
@@ -566,7 +564,7 @@ def _fits(q, d: int) -> bool:
 def decode_attention(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step):
     """The decode step's attention (see `decode_attention_ref` for the arguments): the Triton
     kernel on CUDA tensors it supports (head dim a power of two >= 16, fp16/bf16/fp32), else the
-    reference (CPU, other head dims, FASTGRPO_DECODE_ATTENTION=ref)."""
+    reference (CPU, other head dims, FASTGRPO_DECODE_KERNELS=0)."""
     if _kernel_serves(q, prompt_k):
         return decode_attention_triton(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step)
     return decode_attention_ref(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, step)
@@ -582,8 +580,8 @@ def rope_decode_attention_ref(
 
 
 def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot):
-    """`rope_decode_attention_ref` in one kernel on CUDA tensors it supports (FASTGRPO_ROPE_
-    ATTENTION=0 keeps two launches: `rope.rope_write_kv_` then `decode_attention`). q and k are
+    """`rope_decode_attention_ref` in one kernel on CUDA tensors it supports (others take two
+    steps: `rope.rope_write_kv_` then `decode_attention`). q and k are
     (B, nh, d) and (B, nkv, d) not yet rotated, v (B, nkv, d), cos and sin (B, d) each row's
     table row, `slot` a () device tensor; returns (B, nh, d). The kernel leaves q and k as they
     are (the reference rotates them in place); the caches get the rotated k and v either way.
@@ -595,7 +593,7 @@ def rope_decode_attention(q, k, v, cos, sin, prompt_k, prompt_v, prompt_lens, co
     decode batch of one wave of programs goes to the Gluon kernel instead
     (`decode_attention_gluon`), which loads the cached keys before it waits for q."""
     readable = all(t.stride(-1) == 1 for t in (k, v, cos, sin))
-    if ROPE_IN_ATTENTION and readable and _kernel_serves(q, prompt_k):
+    if readable and _kernel_serves(q, prompt_k):
         _check_inputs(q, prompt_k, prompt_v, prompt_lens, comp_k, comp_v, slot)
         _check_rope_inputs(q, comp_k, comp_v, k, v, cos, sin)
         if decode_attention_gluon.applies(q, k, v, cos, sin, prompt_k, comp_k):

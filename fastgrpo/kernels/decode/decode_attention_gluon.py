@@ -42,7 +42,7 @@ Caveat (the pre-wait loads): they are correct because every decode step's cache 
 before the next step's kernels start: each step is its own CUDA graph replay, and an eager step
 holds plain launches (the LM head: cuBLAS, or the fused LM head + sampler of `lm_head_sample`)
 that end every PDL chain. A decode step with no
-such boundary between steps would need the loads after the wait. FASTGRPO_GLUON_ATTENTION=0 keeps
+such boundary between steps would need the loads after the wait. FASTGRPO_GLUON=0 keeps
 the Triton kernel.
 
 Reference: `decode_attention.rope_decode_attention_ref`; the Triton kernel serves everywhere else.
@@ -73,7 +73,8 @@ if gluon is not None:  # support found triton's Gluon layer
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
-ENABLED = switches.GLUON_ATTENTION
+# FASTGRPO_GLUON=0 keeps the decode attention on the Triton kernel
+ENABLED = switches.GLUON
 QUERY_ROWS = 16
 """The query tile's rows (mma_v2's m16): at most this many query heads per kv head."""
 PART_ROWS = 32

@@ -66,8 +66,8 @@ if triton is not None:
         exp_libdevice,  # libdevice's exp, numpy's in the interpreter
     )
 
-# FASTGRPO_DECODE_LINEAR=0 keeps every decode linear on cuBLAS (to compare)
-ENABLED = switches.DECODE_LINEAR
+# FASTGRPO_DECODE_KERNELS=0 keeps every decode linear on cuBLAS
+ENABLED = switches.DECODE_KERNELS
 KERNEL_DTYPES = (torch.bfloat16,)
 MAX_ROWS = 64
 """The most rows the kernel takes. At 256 rows cuBLAS was faster for all but o_proj. Past 64 rows
@@ -79,9 +79,7 @@ won, the 7B o_proj (12.8M) and larger lost to cuBLAS."""
 MAX_K = 1024
 """The longest reduction the kernel takes in one range: with one program per column block, a
 long K leaves too few programs streaming too much (the 0.5B down_proj, K = 4864, lost). Longer
-ones go to `linear_split_sums` when their reader is a norm (SPLIT_SUMS)."""
-# FASTGRPO_SPLIT_SUMS=0 keeps down_proj on cuBLAS and o_proj whole (to compare)
-SPLIT_SUMS = switches.SPLIT_SUMS
+ones go to `linear_split_sums` when their reader is a norm."""
 SHORT_K_RANGE = 384
 """The k range of a split-K product with K <= MAX_K whose reader is a norm (a layer's o_proj);
 0 runs those whole, in `linear`. At the 0.5B o_proj (K = 896: ranges of 384, 384 and 128, 42
@@ -342,12 +340,7 @@ def takes_split_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     without a bias, with a long K (which `takes` leaves to cuBLAS) or, unless SHORT_K_RANGE is 0,
     a short one."""
     long_k = weight.shape[1] > MAX_K
-    return (
-        SPLIT_SUMS
-        and bias is None
-        and (long_k or SHORT_K_RANGE > 0)
-        and _decode_batch(x, weight, None)
-    )
+    return bias is None and (long_k or SHORT_K_RANGE > 0) and _decode_batch(x, weight, None)
 
 
 def linear_to_residual(
@@ -366,7 +359,7 @@ def linear_to_attention(
     """A packed q/k/v product whose only reader is the decode attention: split-K parts
     (`ProjectedParts`, the bias carried along) where that attention adds them up (`parts_read`)
     and the product is a decode batch, else `linear`."""
-    if parts_read and SPLIT_SUMS and QKV_K_RANGE > 0 and _decode_batch(x, weight, bias):
+    if parts_read and QKV_K_RANGE > 0 and _decode_batch(x, weight, bias):
         config = dict(BN=QKV_BLOCK_N, k_per_split=QKV_K_RANGE)
         return ProjectedParts(linear_split_sums(x, weight, config).partials, bias, x.dtype)
     return linear(x, weight, bias)

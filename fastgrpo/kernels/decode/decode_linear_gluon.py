@@ -29,8 +29,8 @@ same outputs (benchmarks/results/decode_step_ab_h100_v1.txt, section 10).
 Numerics: fp32 accumulation over k in the Triton kernel's order, gate and up rounded to bf16,
 silu(gate) = gate / (1 + exp(-gate)) rounded to bf16, the product rounded once. The exp and the
 division are the GPU's approximate ones (a few fp32 ulps), not libdevice's exp and the IEEE
-division of the Triton kernel and torch. With those (`EXACT_EPILOGUE`,
-FASTGRPO_GLUON_GATE_UP_EXACT=1) the kernel is the Triton kernel's bit for bit but no faster in
+division of the Triton kernel and torch. With those (`EXACT_EPILOGUE`, which
+the GPU tests set) the kernel is the Triton kernel's bit for bit but no faster in
 the decode step: its epilogue runs on one warpgroup per multiprocessor, with nothing to hide it.
 The approximate epilogue gave the same bf16 outputs on 683,264 of 683,264 elements tested and
 -12 to -21 us per step; the GPU tests bound the rare 1-ulp bf16 difference.
@@ -67,13 +67,13 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel targets
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# FASTGRPO_GLUON_GATE_UP=0 keeps gate/up on the Triton kernel (to compare)
-ENABLED = switches.GLUON_GATE_UP
+# FASTGRPO_GLUON=0 keeps gate/up on the Triton kernel
+ENABLED = switches.GLUON
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 64, 16, 256, 4
 """Rows (all of a decode batch), output columns per tile, k step, ring stages: x takes up to
 4 x 32 KB of shared memory and the ring 4 x 16 KB."""
 MAX_K = 1024
-EXACT_EPILOGUE = switches.GLUON_GATE_UP_EXACT
+EXACT_EPILOGUE = False
 """silu with libdevice's exp and an IEEE division (the Triton kernel's numerics, bit for bit);
 off by default: the approximate ones are faster in the step (see Numerics above)."""
 DEPTH = 1

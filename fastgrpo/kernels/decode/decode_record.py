@@ -35,8 +35,8 @@ MAX_STOP_IDS = 1024
 """More stop ids than this go to the torch ops: the kernel compares each row with every stop id."""
 COMPARES_PER_BLOCK = 8192
 """Rows per block times (padded) stop ids, the size of the kernel's compare tile."""
-# FASTGRPO_FUSED_RECORD=0 keeps the torch ops on CUDA too (to compare)
-ENABLED = switches.FUSED_RECORD
+# FASTGRPO_DECODE_KERNELS=0 keeps the torch ops on CUDA too
+ENABLED = switches.DECODE_KERNELS
 
 
 def record_step_ref(

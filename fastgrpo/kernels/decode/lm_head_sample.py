@@ -73,8 +73,8 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel targets
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
-# FASTGRPO_LM_HEAD_SAMPLER=0 keeps a decode step's logits in memory for the sampler (to compare)
-ENABLED = switches.LM_HEAD_SAMPLER
+# FASTGRPO_DECODE_KERNELS=0 keeps a decode step's logits in memory for the torch sampler
+ENABLED = switches.DECODE_KERNELS
 MAX_ROWS = 64
 """The most rows: all rows share each weight tile in one program (64 = one wgmma's M)."""
 BLOCK_B, BLOCK_V, BLOCK_K = 64, 128, 64

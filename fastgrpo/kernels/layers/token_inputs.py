@@ -28,8 +28,8 @@ from fastgrpo.kernels.support import interpreting, triton
 if triton is not None:
     import triton.language as tl
 
-# FASTGRPO_TOKEN_INPUTS=0 keeps the torch gathers on CUDA too (to compare)
-ENABLED = switches.TOKEN_INPUTS
+# FASTGRPO_FUSED_OPS=0 keeps the torch gathers on CUDA too
+ENABLED = switches.FUSED_OPS
 
 
 def embed_and_angles_ref(

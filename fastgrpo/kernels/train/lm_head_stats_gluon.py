@@ -46,8 +46,8 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel was wri
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# FASTGRPO_GLUON=0 keeps the training pass on the Triton kernel (to compare)
-ENABLED = switches.GLUON_LM_HEAD_STATS
+# FASTGRPO_GLUON=0 keeps the training pass on the Triton kernel
+ENABLED = switches.GLUON
 CONFIG = (128, 256, 64, 8, 3)
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the Triton kernel's configuration on the
 H100 (`lm_head_stats._blocks`), which this kernel must share to agree with it bit for bit."""
