@@ -86,26 +86,11 @@ def test_the_readme_documents_exactly_the_switches_the_package_reads():
 def test_a_rollout_with_a_kernel_family_off_is_as_close_to_the_trainer_as_with_it_on():
     """Each family off (what its switch set to 0 does) against all on: the engine's log-probs of
     what it sampled, against the fp32 trainer's, are as close either way."""
-    from transformers import Qwen2Config
-
-    from fastgrpo.models.transformer import ModelConfig, Transformer
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.rollout.sampling import SamplingParams
-    from tests.rollout.test_engine import NEVER, VOCAB, trainer_logp
+    from tests.rollout.test_engine import NEVER, VOCAB, trainer_and_engine_models, trainer_logp
 
-    torch.manual_seed(13)
-    hf_config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    exact = Transformer(ModelConfig.from_hf(hf_config)).eval()
-    for p in exact.parameters():  # the trainer's weights rounded as the engine's are
-        p.data = p.data.to(torch.bfloat16).float()
-    ours = Transformer(ModelConfig.from_hf(hf_config)).eval()
-    ours.load_state_dict(exact.state_dict())
-    ours = ours.cuda().to(torch.bfloat16)
-    ours.pack_projections()
+    exact, ours = trainer_and_engine_models(seed=13)
     prompts = [[(5 * p + i) % (VOCAB - 1) for i in range(4 + p)] for p in range(16)]
     errors = {}
     for family in ("all on", *FAMILIES):

@@ -86,6 +86,25 @@ def trainer_logp(model, prompts, generation, num_samples, temperature):
     return out
 
 
+def trainer_and_engine_models(seed):
+    """(fp32 trainer model, bf16 CUDA engine model with packed projections), the same weights
+    (rounded to bf16 in both): a Qwen2 shape the decode kernels serve (H 256, 2 kv heads of 64)."""
+    torch.manual_seed(seed)
+    hf_config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    exact = Transformer(ModelConfig.from_hf(hf_config)).eval()
+    for p in exact.parameters():  # the trainer's weights rounded as the engine's are
+        p.data = p.data.to(torch.bfloat16).float()
+    ours = Transformer(ModelConfig.from_hf(hf_config)).eval()
+    ours.load_state_dict(exact.state_dict())
+    ours = ours.cuda().to(torch.bfloat16)
+    ours.pack_projections()
+    return exact, ours
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_match_hf_generate_for_every_prompt_and_sample(family):
     hf, ours = tiny_pair(family)
@@ -574,19 +593,7 @@ def test_q_k_v_as_split_k_parts_keep_the_engines_log_probs_as_close_to_the_train
     with the fp32 trainer's as well as with q/k/v whole."""
     from fastgrpo.kernels.decode import decode_attention_gluon, decode_linear
 
-    torch.manual_seed(11)
-    hf_config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    exact = Transformer(ModelConfig.from_hf(hf_config)).eval()
-    for p in exact.parameters():  # the trainer's weights rounded as the engine's are
-        p.data = p.data.to(torch.bfloat16).float()
-    ours = Transformer(ModelConfig.from_hf(hf_config)).eval()
-    ours.load_state_dict(exact.state_dict())
-    ours = ours.cuda().to(torch.bfloat16)
-    ours.pack_projections()
+    exact, ours = trainer_and_engine_models(seed=11)
     prompts = [[(7 * p + i) % (VOCAB - 1) for i in range(3 + p)] for p in range(16)]
     params = SamplingParams(1.0)
     calls = []
