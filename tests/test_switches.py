@@ -22,7 +22,7 @@ FAMILIES = {
         ("fastgrpo.kernels.layers.token_inputs", "ENABLED"),
     ],
     "FASTGRPO_DECODE_KERNELS": [
-        ("fastgrpo.kernels.decode.decode_attention", "USE_TRITON"),
+        ("fastgrpo.kernels.decode.decode_attention_triton", "USE_TRITON"),
         ("fastgrpo.kernels.decode.decode_linear", "ENABLED"),
         ("fastgrpo.kernels.decode.lm_head_sample", "ENABLED"),
         ("fastgrpo.kernels.decode.decode_record", "ENABLED"),

@@ -58,8 +58,8 @@ import torch
 
 from benchmarks.bench_rollout import PARAMS, native_model, print_result_line, prompts_of, timed  # noqa: E402
 from fastgrpo.kernels.decode import (  # noqa: E402
-    decode_attention,
     decode_attention_gluon,
+    decode_attention_triton,
     decode_linear,
     decode_linear_gluon,
     lm_head_sample,
@@ -81,13 +81,13 @@ VARIANTS = {
     "default": {},
     "default-again": {},
     "attention-256-8-3": {
-        (decode_attention, "BLOCKS"): (256, 8, 3),
-        (decode_attention, "SPLITS"): 1,
+        (decode_attention_triton, "BLOCKS"): (256, 8, 3),
+        (decode_attention_triton, "SPLITS"): 1,
         (decode_attention_gluon, "ENABLED"): False,
     },
     "attention-512-8-2": {
-        (decode_attention, "BLOCKS"): (512, 8, 2),
-        (decode_attention, "SPLITS"): 1,
+        (decode_attention_triton, "BLOCKS"): (512, 8, 2),
+        (decode_attention_triton, "SPLITS"): 1,
         (decode_attention_gluon, "ENABLED"): False,
     },
     "gate-up-bn16": {

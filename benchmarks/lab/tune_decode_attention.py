@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.bench_rollout import copy_bandwidth, print_result_line  # noqa: E402
 from benchmarks.lab.tune_decode_linear import LAYERS, time_per_call  # noqa: E402
-from fastgrpo.kernels.decode import decode_attention  # noqa: E402
+from fastgrpo.kernels.decode import decode_attention_triton  # noqa: E402
 
 # (BLOCK_N, num_warps, num_stages)
 BLOCKS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 2), (256, 4, 3)]
@@ -51,13 +51,13 @@ def measure(name, bandwidth):
     nbytes = 2 * nkv * d * 2 * (P * Lp + B * (step + 1))
     floor_us = nbytes / bandwidth * 1e6
     rows = []
-    default_blocks = decode_attention._blocks(B, nkv, d)
-    default = decode_attention._num_splits(B, nkv, Lp + Tc, default_blocks[0], q.device)
+    default_blocks = decode_attention_triton.blocks_for(B, nkv, d)
+    default = decode_attention_triton.num_splits(B, nkv, Lp + Tc, default_blocks[0], q.device)
     for splits, blocks in itertools.product((1, 2, 3, 4), BLOCKS):
 
         def call(i, splits=splits, blocks=blocks):
             c = layers[i]
-            return decode_attention.decode_attention_triton(
+            return decode_attention_triton.decode_attention_triton(
                 q, c["pk"], c["pv"], lens, c["ck"], c["cv"], at, splits=splits, blocks=blocks
             )
 

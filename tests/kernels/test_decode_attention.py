@@ -10,6 +10,7 @@ import torch
 from kernel_cases import DEVICE, NEEDS_TRITON, ON_GPU
 
 from fastgrpo.kernels.decode import decode_attention as ops
+from fastgrpo.kernels.decode import decode_attention_triton as triton_ops
 
 pytestmark = NEEDS_TRITON
 
@@ -70,7 +71,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_float64_reference(case, splits):
     inputs = _inputs(*case)
-    out = ops.decode_attention_triton(*inputs, splits=splits)
+    out = triton_ops.decode_attention_triton(*inputs, splits=splits)
     assert out.shape == inputs[0].shape and out.dtype == torch.float32
     assert (out.double() - _float64_ref(*inputs)).abs().max() <= 1e-5
 
@@ -78,9 +79,9 @@ def test_kernel_matches_float64_reference(case, splits):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_stale_values_past_the_valid_slots_do_not_change_the_result(splits):
     case = (2, 3, 14, 2, 16, 21, 33, [5, 21], 17)
-    clean = ops.decode_attention_triton(*_inputs(*case), splits=splits)
+    clean = triton_ops.decode_attention_triton(*_inputs(*case), splits=splits)
     stale = _inputs(*case, stale=3.0e4)
-    out = ops.decode_attention_triton(*stale, splits=splits)
+    out = triton_ops.decode_attention_triton(*stale, splits=splits)
     assert torch.equal(out, clean)  # the stale slots are never read
     assert (out.double() - _float64_ref(*stale)).abs().max() <= 1e-5
 
@@ -88,7 +89,7 @@ def test_stale_values_past_the_valid_slots_do_not_change_the_result(splits):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_error_is_within_twice_pytorchs_own(dtype):
     inputs = _inputs(2, 3, 14, 2, 64, 37, 20, [37, 11], 13, dtype=dtype, seed=1)
-    out = ops.decode_attention_triton(*inputs, splits=2)
+    out = triton_ops.decode_attention_triton(*inputs, splits=2)
     want = _float64_ref(*inputs)
     own = (_ref_with_rounded_probs(*inputs).double() - want).abs().max()
     assert out.dtype == dtype
@@ -99,7 +100,7 @@ def test_query_heads_may_be_a_strided_view():
     q, *rest = _inputs(2, 3, 14, 2, 16, 21, 33, [5, 21], 17)
     wide = torch.zeros(q.shape[0], q.shape[1], 3 * q.shape[2], device=q.device)
     view = wide[..., 16:32].copy_(q)  # (B, nh, d) with a row stride of 3 d, as a fused qkv gives
-    out = ops.decode_attention_triton(view, *rest, splits=1)
+    out = triton_ops.decode_attention_triton(view, *rest, splits=1)
     assert (out.double() - _float64_ref(q, *rest)).abs().max() <= 1e-5
 
 
@@ -111,14 +112,14 @@ def test_public_function_keeps_cpu_tensors_on_the_reference():
 def test_launcher_rejects_what_the_kernel_cannot_read():
     q, pk, pv, lens, ck, cv, step = _inputs(2, 2, 4, 2, 16, 5, 3, [5, 2], 1)
     with pytest.raises(ValueError, match="power of two"):
-        ops.decode_attention_triton(*_inputs(2, 2, 4, 2, 24, 5, 3, [5, 2], 1))
+        triton_ops.decode_attention_triton(*_inputs(2, 2, 4, 2, 24, 5, 3, [5, 2], 1))
     with pytest.raises(ValueError, match="share one of"):
-        ops.decode_attention_triton(q, pk.half(), pv, lens, ck, cv, step)
+        triton_ops.decode_attention_triton(q, pk.half(), pv, lens, ck, cv, step)
     with pytest.raises(ValueError, match="contiguous"):
         strided = ck.transpose(1, 2).contiguous().transpose(1, 2)  # (B, Tc, nkv, d), not packed
-        ops.decode_attention_triton(q, pk, pv, lens, strided, cv, step)
+        triton_ops.decode_attention_triton(q, pk, pv, lens, strided, cv, step)
     with pytest.raises(ValueError, match="B % P"):
-        ops.decode_attention_triton(q[:3], pk, pv, lens, ck[:3], cv[:3], step)
+        triton_ops.decode_attention_triton(q[:3], pk, pv, lens, ck[:3], cv[:3], step)
 
 
 # real shapes: Qwen2.5-0.5B (nh=14, nkv=2, d=64) and Qwen2.5-7B (nh=28, nkv=4, d=128)
@@ -143,7 +144,7 @@ def _real_inputs(nh, nkv, d, step, seed=0):
 @pytest.mark.parametrize("heads", REAL.values(), ids=REAL.keys())
 def test_bf16_kernel_at_a_real_shape_is_within_twice_pytorchs_own_error(heads, step, splits):
     inputs = _real_inputs(*heads, step, seed=step)
-    out = ops.decode_attention_triton(*inputs, splits=splits)
+    out = triton_ops.decode_attention_triton(*inputs, splits=splits)
     want = _float64_ref(*inputs)
     own = (_ref_with_rounded_probs(*inputs).double() - want).abs().max()
     assert (out.double() - want).abs().max() <= 2 * own + 1e-3
@@ -159,11 +160,11 @@ def test_kernel_captured_in_a_cuda_graph_follows_the_step_changed_in_place(split
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        ops.decode_attention_triton(*args, splits=splits)  # compile outside the capture
+        triton_ops.decode_attention_triton(*args, splits=splits)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.decode_attention_triton(*args, splits=splits)
+        out = triton_ops.decode_attention_triton(*args, splits=splits)
     for value in (0, 1, 77, 255, 5):
         step.fill_(value)
         graph.replay()
@@ -208,7 +209,9 @@ def test_rope_in_the_kernel_matches_rope_then_attention(case, splits):
     q_before, k_before = inputs[0].clone(), inputs[1].clone()
     want, want_ck, want_cv, rotated = _rope_reference(inputs)
     q, k, v, cos, sin, pk, pv, lens, ck, cv, step = inputs
-    out = ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, splits, rope=(k, v, cos, sin))
+    out = triton_ops.decode_attention_triton(
+        q, pk, pv, lens, ck, cv, step, splits, rope=(k, v, cos, sin)
+    )
     # the caches: the rotated k and the v at the slot, bitwise as the RoPE kernel writes them
     assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)
     assert not torch.equal(ck[:, step], k)  # the key was rotated (positions are not all 0)
@@ -222,7 +225,9 @@ def test_rope_in_the_kernel_rounds_the_rotation_as_the_rope_kernel_in_half_preci
     inputs = _rope_inputs(CASES["rep7-G3-last-slot"], dtype=dtype, seed=2)
     want, want_ck, want_cv, rotated = _rope_reference(inputs)
     q, k, v, cos, sin, pk, pv, lens, ck, cv, step = inputs
-    out = ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, 2, rope=(k, v, cos, sin))
+    out = triton_ops.decode_attention_triton(
+        q, pk, pv, lens, ck, cv, step, 2, rope=(k, v, cos, sin)
+    )
     assert torch.equal(cv, want_cv)
     slack = 1e-6
     if dtype == torch.float16 or ON_GPU:
@@ -248,9 +253,13 @@ def test_rope_public_function_keeps_cpu_tensors_on_the_two_step_reference():
 def test_rope_launcher_rejects_tables_of_the_wrong_shape():
     q, k, v, cos, sin, pk, pv, lens, ck, cv, step = _rope_inputs(CASES["rep2-G3-last-slot"])
     with pytest.raises(ValueError, match="cos and sin must be"):
-        ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, rope=(k, v, cos[:, :8], sin))
+        triton_ops.decode_attention_triton(
+            q, pk, pv, lens, ck, cv, step, rope=(k, v, cos[:, :8], sin)
+        )
     with pytest.raises(ValueError, match="expected"):
-        ops.decode_attention_triton(q, pk, pv, lens, ck, cv, step, rope=(k[:, :1], v, cos, sin))
+        triton_ops.decode_attention_triton(
+            q, pk, pv, lens, ck, cv, step, rope=(k[:, :1], v, cos, sin)
+        )
 
 
 @pytest.mark.gpu
@@ -262,7 +271,9 @@ def test_bf16_rope_in_the_kernel_at_a_real_shape(heads, step, splits):
     inputs = _rope_inputs(_real_case(*heads, step, seed=step), dtype=torch.bfloat16, seed=step)
     _, want_ck, want_cv, rotated = _rope_reference(inputs)
     q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
-    out = ops.decode_attention_triton(q, pk, pv, lens, ck, cv, slot, splits, rope=(k, v, cos, sin))
+    out = triton_ops.decode_attention_triton(
+        q, pk, pv, lens, ck, cv, slot, splits, rope=(k, v, cos, sin)
+    )
     assert torch.equal(ck, want_ck) and torch.equal(cv, want_cv)  # bitwise the RoPE kernel's
     want = _float64_ref(*rotated)
     own = (_ref_with_rounded_probs(*rotated).double() - want).abs().max()
@@ -277,17 +288,19 @@ def test_fp32_takes_blocks_that_fit_shared_memory_or_the_reference_with_one_noti
     fit (fp32 keys of d 256 on a 99 KB GPU) the reference serves, and says so once."""
     from fastgrpo.kernels import support
 
-    monkeypatch.setattr(ops, "interpreting", lambda: False)
-    monkeypatch.setattr(ops, "multiprocessors", lambda *device: 132)
-    monkeypatch.setattr(ops, "shared_memory", lambda *device: 227 * 1024)
+    monkeypatch.setattr(triton_ops, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_ops, "multiprocessors", lambda *device: 132)
+    monkeypatch.setattr(triton_ops, "shared_memory", lambda *device: 227 * 1024)
     monkeypatch.setattr(support, "_noticed", set())
-    assert ops._blocks(64, 2, 64, itemsize=2) == (256, 4, 3)
-    assert ops._blocks(64, 2, 64, itemsize=4) == (64, 4, 2)
+    assert triton_ops.blocks_for(64, 2, 64, itemsize=2) == (256, 4, 3)
+    assert triton_ops.blocks_for(64, 2, 64, itemsize=4) == (64, 4, 2)
     q = torch.empty(4, 8, 256)
-    assert ops._fits(q, 256) and ops._fits(q.bfloat16(), 256)
-    monkeypatch.setattr(ops, "shared_memory", lambda *device: 99 * 1024)
-    assert ops._fits(q.bfloat16(), 256)
-    assert not ops._fits(q, 256) and not ops._fits(q, 256)
+    assert triton_ops.fits_shared_memory(q, 256) and triton_ops.fits_shared_memory(
+        q.bfloat16(), 256
+    )
+    monkeypatch.setattr(triton_ops, "shared_memory", lambda *device: 99 * 1024)
+    assert triton_ops.fits_shared_memory(q.bfloat16(), 256)
+    assert not triton_ops.fits_shared_memory(q, 256) and not triton_ops.fits_shared_memory(q, 256)
     notices = [r.getMessage() for r in caplog.records if r.name == "fastgrpo.kernels"]
     assert notices == [
         "fastgrpo: decode attention runs its PyTorch reference for float32 at head dim 256 "
@@ -311,5 +324,5 @@ def test_fp32_kernel_at_a_real_shape_in_one_wave_matches_float64(heads, rope):
     else:
         rotated = _inputs(*case, dtype=torch.float32, seed=1)
         out = ops.decode_attention(*rotated)
-    assert ops._kernel_serves(rotated[0], rotated[1])
+    assert triton_ops.kernel_serves(rotated[0], rotated[1])
     assert (out.double() - _float64_ref(*rotated)).abs().max() <= 1e-5

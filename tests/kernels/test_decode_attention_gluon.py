@@ -18,6 +18,7 @@ from test_decode_attention import (
 
 from fastgrpo.kernels.decode import decode_attention as ops
 from fastgrpo.kernels.decode import decode_attention_gluon as gluon_attention
+from fastgrpo.kernels.decode import decode_attention_triton as triton_ops
 
 pytestmark = NEEDS_TRITON
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -51,7 +52,7 @@ def test_gluon_attention_at_a_real_shape(heads, step):
     q, k, v, cos, sin, pk, pv, lens, ck, cv, slot = inputs
     assert gluon_attention.applies(q, k, v, cos, sin, pk, ck) == (heads[2] == 64)
     tri_ck, tri_cv = ck.clone(), cv.clone()
-    tri = ops.decode_attention_triton(
+    tri = triton_ops.decode_attention_triton(
         q, pk, pv, lens, tri_ck, tri_cv, slot, 1, rope=(k, v, cos, sin)
     )
     _, want_ck, want_cv, rotated = _rope_reference(inputs)
