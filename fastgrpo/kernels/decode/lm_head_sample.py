@@ -72,6 +72,13 @@ if gluon is not None:  # support found triton's Gluon layer; this kernel targets
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from fastgrpo.kernels.decode.gumbel_noise_gluon import (
+        GOLDEN,
+        mix64,
+        noise_log2,
+        score_scalar,
+    )
+
 
 # FASTGRPO_DECODE_KERNELS=0 keeps a decode step's logits in memory for the torch sampler
 ENABLED = switches.DECODE_KERNELS
@@ -99,63 +106,7 @@ def lm_head_sample_ref(hidden, weight, temperature: float, seeds, step):
 
 
 if gluon is not None:
-    # splitmix64 and lowbias32 constants, as sample_tokens
-    _GOLDEN = gl.constexpr(0x9E3779B97F4A7C15)
-    _MUL1 = gl.constexpr(0xBF58476D1CE4E5B9)
-    _MUL2 = gl.constexpr(0x94D049BB133111EB)
-    _LOWBIAS_MUL1 = gl.constexpr(0x7FEB352D)
-    _LOWBIAS_MUL2 = gl.constexpr(0x846CA68B)
-    _R_SCALE = gl.constexpr(2.0**-32)
-    _R_MIN = gl.constexpr(2.0**-33)
-    _R_MAX = gl.constexpr(1.0 - 2.0**-24)
-    _SERIES_BELOW = gl.constexpr(1.0 / 32)
-    _G_LOG2E = gl.constexpr(LOG2E)
     _G_LN2 = gl.constexpr(LN2)
-
-    @gluon.jit
-    def _mix64(x):
-        x ^= x >> 30
-        x *= _MUL1
-        x ^= x >> 27
-        x *= _MUL2
-        x ^= x >> 31
-        return x
-
-    @gluon.jit
-    def _lowbias32(x):
-        x ^= x >> 16
-        x *= _LOWBIAS_MUL1
-        x ^= x >> 15
-        x *= _LOWBIAS_MUL2
-        x ^= x >> 16
-        return x
-
-    @gluon.jit
-    def _fast_log2(x):
-        # lg2.approx.ftz.f32: one MUFU.LG2, as libdevice.fast_log2f in sample_tokens. Without .ftz
-        # ptxas adds three instructions per call for subnormal inputs, which never come here (the
-        # inputs are >= 2**-33): -6.9 us alone, ~-7 us per replayed decode step (benchmarks/HISTORY.md)
-        return gl.inline_asm_elementwise(
-            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
-        )
-
-    @gluon.jit
-    def _noise_log2(cols, lo, hi):
-        """sample_tokens._noise_log2 (FAST): -log2(L), L = -log2(1 - r), r from 32 hashed bits.
-        cols: uint32 (any shape), lo / hi: uint32 broadcastable to it."""
-        bits = _lowbias32(_lowbias32(cols ^ lo) ^ hi)
-        r = gl.minimum(gl.maximum(bits.to(gl.float32) * _R_SCALE, _R_MIN), _R_MAX)
-        series = r * (1.0 + r * (0.5 + r * (1.0 / 3 + r * (0.25 + r * 0.2)))) * _G_LOG2E
-        small = r < _SERIES_BELOW
-        big = -_fast_log2(gl.where(small, 0.5, 1.0 - r))
-        return -_fast_log2(gl.where(small, series, big))
-
-    @gluon.jit
-    def _score_scalar(a, col, lo, hi, scale):
-        """One element's score, a * scale + noise: map_elementwise lowers this depth first (one
-        element's whole hash at a time) instead of op by op over the whole tile, which keeps a few
-        hash chains live instead of BLOCK_B * BLOCK_V / 128 of them."""
-        return a * scale + _noise_log2(col, lo, hi)
 
     @gluon.jit
     def _fold(
@@ -186,7 +137,7 @@ if gluon is not None:
         if GREEDY:
             score = acc
         else:
-            score = gl.map_elementwise(_score_scalar, acc, cols2.to(gl.uint32), lo2, hi2, scale)
+            score = gl.map_elementwise(score_scalar, acc, cols2.to(gl.uint32), lo2, hi2, scale)
         tile_best = gl.max(score, 1)
         # the lowest column holding the best score (torch.argmax's tie rule)
         tile_col = gl.min(gl.where(score == gl.expand_dims(tile_best, 1), cols2, 2147483647), 1)
@@ -337,7 +288,7 @@ if gluon is not None:
             stp = gl.load(step_ptr + rows * step_stride, mask=row_ok, other=0).to(
                 gl.uint64, bitcast=True
             )
-            state = _mix64(_mix64(seed + _GOLDEN) + stp * _GOLDEN)
+            state = mix64(mix64(seed + GOLDEN) + stp * GOLDEN)
             lo = (state & 0xFFFFFFFF).to(gl.uint32)  # [BLOCK_B]
             hi = (state >> 32).to(gl.uint32)
             lo2 = gl.expand_dims(lo, 1)  # [BLOCK_B, 1]
@@ -419,7 +370,7 @@ if gluon is not None:
         else:
             # z2 = score - noise at the best column: within half an ulp of the score (~1e-6 at
             # |score| ~ 20) of the tile's fl(acc * scale); the log-prob's tolerance is 1e-4
-            best_z = best - _noise_log2(best_col.to(gl.uint32), lo, hi)
+            best_z = best - noise_log2(best_col.to(gl.uint32), lo, hi)
         out = pid * B + rows
         gl.store(best_ptr + out, best, mask=row_ok)
         gl.store(col_ptr + out, best_col, mask=row_ok)
