@@ -24,8 +24,9 @@ class MiniBatch:
     """The rows of one optimizer step: its micro-batches, and the counts its loss divides by."""
 
     micro: list[MicroBatch]
-    num_sequences: int  # all of the mini-batch's rows, those left out included
-    num_tokens: torch.Tensor  # () its completion tokens, those left out included
+    num_sequences: int  # all of the mini-batch's rows, those left out included (on all ranks)
+    num_tokens: torch.Tensor  # () its completion tokens, those left out included (on all ranks)
+    rows: int = 0  # its rows on this rank
 
 
 def plan_update(
@@ -36,6 +37,7 @@ def plan_update(
     token_budget: int,
     zero_gradient_rows: bool,
     packed: bool,
+    world=None,
 ) -> list[MiniBatch]:
     """`mini_batches` equal slices of the rows, each in micro-batches of `token_budget` tokens.
 
@@ -43,6 +45,10 @@ def plan_update(
     rows of zero advantage are left out of the micro-batches; they still count in the loss
     normalisers, so the update is the one the whole batch would give. `packed`: the native
     model's forward, which packs rows without padding and each shared prompt once.
+
+    With a `world` (`distributed.World`) the rows are this rank's share of the global batch, and
+    each mini-batch's counts are the global ones: its rows on every rank (`World.share` deals
+    prompt groups round-robin, so this rank's mini-batch m is its share of the global one).
     """
     rows = advantages.shape[0]
     per_mini = rows // mini_batches
@@ -50,10 +56,14 @@ def plan_update(
     for m in range(mini_batches):
         index = torch.arange(m * per_mini, (m + 1) * per_mini, device=advantages.device)
         sub = rollout.rows(index)
-        num_tokens = sub.completion_mask.sum().clamp(min=1)
+        num_tokens = sub.completion_mask.sum()
+        num_sequences = per_mini
+        if world is not None and world.size > 1:
+            num_tokens, num_sequences = world.sum(num_tokens), per_mini * world.size
+        num_tokens = num_tokens.clamp(min=1)
         active = (advantages[index] != 0) | (not zero_gradient_rows)  # rows that move weights
         micro = _micro_batches(sub, advantages[index], active, token_budget, packed)
-        plan.append(MiniBatch(micro, per_mini, num_tokens))
+        plan.append(MiniBatch(micro, num_sequences, num_tokens, rows=per_mini))
     return plan
 
 

@@ -36,7 +36,9 @@ MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored bits, the leadi
 class MasterWeights:
     """fp32 masters of a model's low-precision parameters, for the optimizer to step instead."""
 
-    def __init__(self, params: list[torch.nn.Parameter], rounding: str = "stochastic"):
+    def __init__(
+        self, params: list[torch.nn.Parameter], rounding: str = "stochastic", seed: int = 0
+    ):
         if not params:
             raise ValueError("MasterWeights needs at least one parameter")
         if rounding not in ROUNDINGS:
@@ -63,6 +65,15 @@ class MasterWeights:
         self._grad_storage.resize_(0)  # allocated only while a step runs
         self._grads = [m.grad for m in self.masters]
         self._some_without_gradient = False  # load_gradients' slow path ran this step
+        # the stochastic rounding's own random stream: the same on every rank of a job (the
+        # bf16 weights must not drift apart) and independent of what the rollouts draw
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def gradient_buffer(self) -> torch.Tensor:
+        """The masters' fp32 gradients as one flat tensor (allocated between `load_gradients`
+        and `release_gradients`): what a data-parallel job sums over its ranks in one call."""
+        return self._grad_flat
 
     def load_gradients(self) -> bool:
         """Cast the parameters' gradients into the masters' fp32 gradients; False when no
@@ -107,7 +118,7 @@ class MasterWeights:
             self._grad_storage.resize_(self._grad_bytes)
         if self.stochastic:  # bf16 is fp32's upper half: add 16 random low bits, then cut them
             bits = self._grad_flat.view(torch.int32)
-            bits.random_(0, 1 << 16)
+            bits.random_(0, 1 << 16, generator=self.generator)
             bits.add_(self._flat.view(torch.int32)).bitwise_and_(-(1 << 16))
             torch._foreach_copy_(self.params, self._grads)  # exact: the low bits are zero
         else:

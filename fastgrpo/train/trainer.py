@@ -132,6 +132,7 @@ def build_trainer(
         eps=t.adam_eps,
         master_weights=t.master_weights,
         rounding=t.bf16_rounding,
+        seed=t.seed,
     )
     scheduler = build_scheduler(
         optimizer.adamw,

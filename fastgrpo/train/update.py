@@ -108,7 +108,7 @@ class _Totals:
         out["loss"] = loss / steps  # mean over optimizer steps
         if norms:
             out["grad_norm"] = sum(norms) / len(norms)
-        rows = sum(mini.num_sequences for mini in plan)
+        rows = sum(mini.rows for mini in plan)
         active = sum(mb.advantages.numel() for mini in plan for mb in mini.micro)
         out["active_rows_frac"] = active / rows
         return out

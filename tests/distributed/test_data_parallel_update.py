@@ -1,0 +1,174 @@
+"""Data parallel on the CPU (gloo, 2 processes): the same global batch gives the one-process update.
+
+Each rank takes every second prompt group of one synthetic rollout (`World.share`), plans its
+mini-batches with the global counts, scores and updates; `ModelOptimizer` sums the gradients over
+the ranks. The parameters after two epochs of two mini-batches each must equal those of one
+process updating on the whole rollout, in fp32, for the loss types whose normalisers differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig
+
+from fastgrpo.distributed import World
+from fastgrpo.models.transformer import ModelConfig, Transformer
+from fastgrpo.rollout.types import Rollout
+from fastgrpo.train.batching import plan_update
+from fastgrpo.train.optim import ModelOptimizer
+from fastgrpo.train.profiling import PhaseTimer
+from fastgrpo.train.scoring import score_old, score_reference
+from fastgrpo.train.step_loss import LossSettings, choose_loss
+from fastgrpo.train.update import update_policy
+
+PROMPTS, GROUP, VOCAB = 4, 4, 61
+LOSSES = [("grpo", 0.0), ("dr_grpo", 0.04), ("dapo", 0.0), ("gspo", 0.04)]
+
+
+def tiny_models(seed: int = 0) -> tuple[Transformer, Transformer]:
+    """(policy, reference): a 2-layer GQA Llama shape in fp32, the reference a perturbed copy."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    policy = Transformer(ModelConfig.from_hf(config))
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return policy, reference
+
+
+def global_batch(seed: int = 1) -> tuple[Rollout, torch.Tensor]:
+    """A rollout of PROMPTS groups of GROUP rows (left-padded prompts of 3-9 tokens, completions
+    of 1-12), and advantages with some zero rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows, tp, tc = PROMPTS * GROUP, 9, 12
+    prompt_ids = torch.zeros(rows, tp, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, tp, dtype=torch.long)
+    for p in range(PROMPTS):
+        n = int(torch.randint(3, tp + 1, (), generator=g))
+        ids = torch.randint(1, VOCAB, (n,), generator=g)
+        prompt_ids[p * GROUP : (p + 1) * GROUP, tp - n :] = ids
+        prompt_mask[p * GROUP : (p + 1) * GROUP, tp - n :] = 1
+    lengths = torch.randint(1, tc + 1, (rows,), generator=g)
+    completion_mask = (torch.arange(tc) < lengths[:, None]).long()
+    completion_ids = torch.randint(1, VOCAB, (rows, tc), generator=g) * completion_mask
+    finished = lengths < tc
+    sampling_logp = -torch.rand(rows, tc, generator=g) * 3 * completion_mask
+    advantages = torch.randn(rows, generator=g)
+    advantages[::5] = 0.0
+    rollout = Rollout(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, finished, sampling_logp
+    )
+    return rollout, advantages
+
+
+def run_update(loss_type: str, beta: float, world: World | None) -> dict:
+    """Two epochs over two mini-batches on this process's share of the global batch: the
+    gradients AdamW stepped with (summed over the ranks) at each of the 4 steps, and the
+    parameters after."""
+    policy, reference = tiny_models()
+    rollout, advantages = global_batch()
+    if world is not None:  # this rank's prompt groups, whole
+        groups = world.share(list(range(PROMPTS)))
+        rows = [p * GROUP + i for p, i in itertools.product(groups, range(GROUP))]
+        rollout, advantages = rollout.rows(rows), advantages[rows]
+    settings = LossSettings(
+        loss_type=loss_type, beta=beta, kl_estimator="k3", epsilon_low=0.2, epsilon_high=0.28,
+        delta=None, importance_sampling_level="sequence" if loss_type == "gspo" else "token",
+        max_completion_length=12, entropy_coef=0.0, importance_sampling_cap=2.0, temperature=1.0,
+    )  # fmt: skip
+    plan = plan_update(
+        rollout,
+        advantages,
+        mini_batches=2,
+        token_budget=40,  # several micro-batches per mini-batch
+        zero_gradient_rows=settings.zero_gradient_rows_possible,
+        packed=True,
+        world=world,
+    )
+    if beta:
+        score_reference(reference, plan, temperature=1.0, token_budget=40, fused=False)
+    score_old(policy, plan, temperature=1.0, fused=False)
+    optimizer = ModelOptimizer(
+        policy, learning_rate=1e-3, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8, world=world
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.adamw, lambda step: 1.0)
+    grads, adamw_step = [], optimizer.adamw.step
+
+    def recorded_step(*args, **kwargs):
+        grads.append(torch.cat([p.grad.flatten() for p in optimizer.params]))
+        return adamw_step(*args, **kwargs)
+
+    optimizer.adamw.step = recorded_step
+    update_policy(
+        policy,
+        optimizer,
+        scheduler,
+        plan,
+        choose_loss(settings, fused=False),
+        num_iterations=2,
+        max_grad_norm=1.0,
+        timer=PhaseTimer(torch.device("cpu")),
+    )
+    return {"grads": grads, "params": [p.detach().clone() for p in policy.parameters()]}
+
+
+def _rank_main(rank: int, size: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        world = World(rank, size)
+        results = {f"{t}-{b}": run_update(t, b, world) for t, b in LOSSES}
+        if world.is_main:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dp")
+    out = folder / "params.pt"
+    mp.start_processes(
+        _rank_main, args=(2, str(folder / "store"), str(out)), nprocs=2, start_method="spawn"
+    )
+    return torch.load(out)
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), LOSSES)
+def test_two_processes_give_the_one_process_update_of_the_same_global_batch(
+    two_process_results, loss_type, beta
+):
+    """Gradients within fp32 summation noise at every step (a normaliser off by the number of
+    ranks, or a rank's rows in the wrong mini-batch, would be off by tens of percent), and the
+    parameters within 1e-6 of their norm. Elementwise the parameters are compared loosely: AdamW
+    divides by the root of a gradient's square, so a near-zero gradient that sums in another
+    order moves its weight by a different fraction of the learning rate."""
+    before = [p.detach() for p in tiny_models()[0].parameters()]
+    one = run_update(loss_type, beta, world=None)
+    two = two_process_results[f"{loss_type}-{beta}"]
+    assert len(one["grads"]) == len(two["grads"]) == 4
+    for a, b in zip(one["grads"], two["grads"]):
+        assert float((a - b).norm() / a.norm()) < 1e-5
+    moved = max(float((a - b).abs().max()) for a, b in zip(one["params"], before))
+    assert moved > 1e-4  # the update did something worth comparing
+    for a, b in zip(one["params"], two["params"], strict=True):
+        assert float((a - b).norm() / a.norm()) < 1e-6
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_a_rank_share_is_every_nth_group_and_refuses_an_uneven_split():
+    assert World(1, 2).share([0, 1, 2, 3]) == [1, 3]
+    assert World(0, 4).share(list(range(8))) == [0, 4]
+    with pytest.raises(ValueError, match="multiple of the number of processes"):
+        World(0, 3).share([0, 1, 2, 3])
