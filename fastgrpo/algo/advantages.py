@@ -108,6 +108,7 @@ def group_advantages(
     scale: str = "group",
     baseline: str = "mean",
     eps: float = 1e-4,
+    batch_std: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return group-relative advantages, shape ``(P * G,)``, same dtype as ``rewards`` (float).
 
@@ -120,6 +121,9 @@ def group_advantages(
         baseline: ``"mean"`` (subtract the group mean) or ``"leave_one_out"`` (subtract the mean of
             the other ``G - 1`` rewards of the group, RLOO).
         eps: added to the std before dividing; must be >= 0.
+        batch_std: with ``scale="batch"``, the std to divide by instead of that of ``rewards``:
+            in data-parallel training ``rewards`` is one rank's share of the batch, and the std
+            is the whole batch's (``distributed.World.batch_std``).
 
     A group whose rewards are all equal gets advantage exactly 0 with every setting.
     """
@@ -133,7 +137,10 @@ def group_advantages(
 
     grouped = _as_float(rewards).view(-1, num_generations)  # (P, G)
     centred = _BASELINE_FNS[baseline](grouped)  # (P, G)
-    divisor = _SCALE_FNS[scale](grouped, eps)  # (P, 1) | () | None
+    if scale == "batch" and batch_std is not None:
+        divisor = batch_std.to(grouped.dtype) + eps  # ()
+    else:
+        divisor = _SCALE_FNS[scale](grouped, eps)  # (P, 1) | () | None
     advantages = centred if divisor is None else centred / divisor  # (P, G)
     return advantages.reshape(-1)  # (P * G,)
 

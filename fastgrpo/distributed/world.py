@@ -66,6 +66,24 @@ class World:
         dist.all_reduce(out)
         return out
 
+    def batch_std(self, values: torch.Tensor) -> torch.Tensor:
+        """The unbiased std of the values of every rank together (each rank holds its share):
+        count, sum and sum of squares summed in float64, as `values.std()` of the whole batch
+        would give within rounding."""
+        v = values.detach().double().reshape(-1)
+        moments = self.sum(
+            torch.stack(
+                [
+                    torch.tensor(float(v.numel()), dtype=v.dtype, device=v.device),
+                    v.sum(),
+                    (v * v).sum(),
+                ]
+            )
+        )
+        n, total, squares = moments.unbind()
+        variance = (squares - total * total / n) / (n - 1)
+        return variance.clamp(min=0).sqrt().to(values.dtype)
+
     def any(self, flag: bool, device: torch.device | str) -> bool:
         """Whether `flag` holds on at least one rank."""
         value = torch.tensor(float(flag), device=device)

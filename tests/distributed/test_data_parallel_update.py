@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig
 
+from fastgrpo.algo import group_advantages
 from fastgrpo.distributed import World
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.types import Rollout
@@ -129,6 +130,8 @@ def _rank_main(rank: int, size: int, store: str, out: str) -> None:
     try:
         world = World(rank, size)
         results = {f"{t}-{b}": run_update(t, b, world) for t, b in LOSSES}
+        rewards = world.share(list(torch.arange(8.0).pow(1.5).split(2)))  # groups of 2
+        results["batch_std"] = world.batch_std(torch.cat(rewards))
         if world.is_main:
             torch.save(results, out)
     finally:
@@ -165,6 +168,19 @@ def test_two_processes_give_the_one_process_update_of_the_same_global_batch(
     for a, b in zip(one["params"], two["params"], strict=True):
         assert float((a - b).norm() / a.norm()) < 1e-6
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_the_batch_std_of_two_shares_is_the_std_of_the_whole_batch(two_process_results):
+    whole = torch.arange(8.0).pow(1.5)
+    torch.testing.assert_close(two_process_results["batch_std"], whole.std(), rtol=1e-6, atol=0)
+
+
+def test_batch_scaled_advantages_divide_by_the_given_std_of_the_whole_batch():
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 0.0])
+    mine = group_advantages(rewards, 2, scale="batch", batch_std=torch.tensor(4.0), eps=0.0)
+    torch.testing.assert_close(mine, group_advantages(rewards, 2, scale="none") / 4.0)
+    alone = group_advantages(rewards, 2, scale="batch", eps=0.0)
+    torch.testing.assert_close(alone, group_advantages(rewards, 2, scale="none") / rewards.std())
 
 
 def test_a_rank_share_is_every_nth_group_and_refuses_an_uneven_split():
