@@ -188,3 +188,21 @@ def test_a_rank_share_is_every_nth_group_and_refuses_an_uneven_split():
     assert World(0, 4).share(list(range(8))) == [0, 4]
     with pytest.raises(ValueError, match="multiple of the number of processes"):
         World(0, 3).share([0, 1, 2, 3])
+
+
+def test_ranks_records_combine_as_the_whole_batch_would_show():
+    from fastgrpo.distributed.metrics import combine_records
+
+    rank0 = {"reward/mean": 0.5, "completion/min_length": 3, "completion/max_length": 40,
+             "time/rollout": 0.2, "tokens_per_s": 1000.0, "reward_failures/fmt": 2, "step": 7}  # fmt: skip
+    rank1 = {"reward/mean": 0.25, "completion/min_length": 1, "completion/max_length": 64,
+             "time/rollout": 0.3, "tokens_per_s": 900.0, "step": 7}  # fmt: skip
+    assert combine_records([rank0, rank1]) == {
+        "reward/mean": 0.375,
+        "completion/min_length": 1,
+        "completion/max_length": 64,
+        "time/rollout": 0.3,
+        "tokens_per_s": 1900.0,
+        "reward_failures/fmt": 2,
+        "step": 7,
+    }

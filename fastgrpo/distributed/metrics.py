@@ -1,0 +1,44 @@
+"""A step's metrics from every rank, made into the one record rank 0 writes.
+
+Each rank measures its own share of the batch; the job's record takes, per key, what the whole
+batch would show: the sum of counts and of throughputs, the min and max of extremes, the slowest
+rank's phase times (the step waits for it), and the mean of everything else (every rank holds the
+same number of rows, so the mean of per-rank means is the batch mean for per-row metrics). Keys
+may differ between ranks (a reward that failed on one rank only): a key missing on a rank counts
+as 0 where summed and is left out of the other reductions.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+SUMMED_PREFIXES = ("reward_failures/", "reward_errors/", "skipped_steps")
+SUMMED = {"tokens_per_s"}
+LOWEST_SUFFIX, HIGHEST_SUFFIX = "/min_length", "/max_length"
+SLOWEST_PREFIXES = ("time/", "peak_memory_gib")
+
+
+def combine_records(records: list[dict]) -> dict:
+    """One record from the ranks' records (see the module docstring for the rule per key)."""
+    keys = list(dict.fromkeys(k for record in records for k in record))
+    out = {}
+    for key in keys:
+        values = [r[key] for r in records if key in r]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = values[0]  # text or flags: rank 0's
+        elif key in SUMMED or key.startswith(SUMMED_PREFIXES):
+            out[key] = sum(values)
+        elif key.endswith(LOWEST_SUFFIX):
+            out[key] = min(values)
+        elif key.endswith(HIGHEST_SUFFIX) or key.startswith(SLOWEST_PREFIXES):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def gather_record(record: dict, world) -> dict:
+    """Every rank's record combined (on every rank: one small all-gather of Python objects)."""
+    records: list[dict] = [{} for _ in range(world.size)]
+    dist.all_gather_object(records, record)
+    return combine_records(records)
