@@ -225,3 +225,42 @@ def test_resume_shows_reward_code_from_the_run_folder_and_needs_trust_for_it(
     assert latest_checkpoint(run_dir).name == "step_000003"
     final = weights(latest_checkpoint(run_dir))
     assert all(torch.isfinite(v).all() for v in final.values())
+
+
+# ----------------------------------------------------------------------------- eval of a run
+
+
+def write_task_folder(folder):
+    folder.mkdir()
+    for split, count in (("train", 8), ("test", 10)):
+        rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(count)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_eval_of_a_run_or_checkpoint_folder_uses_the_runs_own_task_and_settings(
+    tiny_model_dir, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    task = write_task_folder(tmp_path / "task")
+    train_tiny(tiny_model_dir, run_dir, steps=1, **{"task.name": "jsonl", "task.path": task})
+    capsys.readouterr()
+    for model in (run_dir, latest_checkpoint(run_dir)):
+        assert main(["eval", "--model", str(model)]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["task"] == "jsonl"  # not the default arithmetic task
+        assert result["num_problems"] == 4  # the run's eval.num_problems, not the default 100
+        assert result["model"] == str(latest_checkpoint(run_dir) / "model")
+    assert main(["eval", "--model", str(run_dir), "--set", "eval.num_problems=2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_problems"] == 2
+
+
+def test_eval_of_a_run_folder_with_reward_code_needs_trust(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    spec = f"{write_test_rewards(tmp_path)}:digit_share"
+    train_tiny(tiny_model_dir, run_dir, steps=1, rewards=f"['{spec}']")
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run_dir), "--num", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and spec in err and "--trust-run-code" in err
+    assert main(["eval", "--model", str(run_dir), "--num", "2", "--trust-run-code"]) == 0
