@@ -219,12 +219,18 @@ def load_trainer_state(checkpoint: Path, *, trust: bool = False) -> dict:
     unpickling (an older fastgrpo's, or crafted to run code) is refused unless `trust`."""
     path = checkpoint / STATE_FILE
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        if not trust:
-            raise ConfigError(
-                f"{path} holds Python objects beyond tensors (written by an older fastgrpo, or "
-                f"not by fastgrpo), and loading it could run code; if you made this run "
-                f"yourself, resume with --trust-run-code (the next checkpoint is saved safely)."
-            ) from None
-    return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            if not trust:
+                raise ConfigError(
+                    f"{path} holds Python objects beyond tensors (written by an older fastgrpo, "
+                    f"or not by fastgrpo), and loading it could run code; if you made this run "
+                    f"yourself, resume with --trust-run-code (the next checkpoint is saved safely)."
+                ) from None
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError) as error:  # damaged after it was written
+        raise ConfigError(
+            f"{path} cannot be read ({_reason(error, checkpoint, 0)}); move {checkpoint} aside "
+            f"to resume from the checkpoint before it."
+        ) from None

@@ -275,3 +275,25 @@ def test_sigterm_mid_step_saves_and_resume_equals_a_straight_run(tiny_model_dir,
     config = load_resume_config(run_dir, trust_run_code=True)  # our own reward file
     assert run_training(config, resume=True).steps == 3
     assert_same_run(straight, run_dir)
+
+
+def test_a_stop_signal_in_the_final_evaluation_exits_and_resume_runs_only_that_evaluation(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    run_dir = tmp_path / "run"
+    original = loop_module.evaluate
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "evaluate", interrupted)
+    assert main(cli_args(tiny_model_dir, run_dir, steps=2, **{"eval.after": True})) == 143
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "final evaluation" in err and "--resume" in err
+    assert latest_checkpoint(run_dir).name == "step_000002"
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind", "train") == "train"] == [1, 2]
+    assert [(r["when"], r["step"]) for r in records if r.get("kind") == "eval"] == [("after", 2)]

@@ -264,3 +264,13 @@ def test_eval_of_a_run_folder_with_reward_code_needs_trust(tiny_model_dir, tmp_p
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and spec in err and "--trust-run-code" in err
     assert main(["eval", "--model", str(run_dir), "--num", "2", "--trust-run-code"]) == 0
+
+
+def test_a_damaged_trainer_state_is_named_in_one_line(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train_tiny(tiny_model_dir, run_dir, steps=1)
+    path = latest_checkpoint(run_dir) / STATE_FILE
+    path.write_bytes(path.read_bytes()[:100])
+    assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot be read" in err and "step_000001" in err
