@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fastgrpo.config import ConfigError
+
 log = logging.getLogger("fastgrpo.train")
 
 BAR_KEYS = (
@@ -86,8 +88,6 @@ class MetricsLog:
 def read_records(path: Path) -> list[dict]:
     """The JSON records of a metrics file. A cut-off last line (a crash or a full disk mid-write)
     is left out with a warning; a bad line elsewhere is an error naming file and line."""
-    from fastgrpo.config import ConfigError
-
     lines = Path(path).read_text().splitlines()
     records = []
     for number, line in enumerate(lines, 1):
