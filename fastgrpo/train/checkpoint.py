@@ -18,6 +18,7 @@ refused unless the caller trusts the folder.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -195,7 +196,7 @@ def _mib(size: int) -> int:
 
 def _reason(error: BaseException, root: Path, need: int) -> str:
     free = shutil.disk_usage(root).free
-    if free < need or getattr(error, "errno", None) == 28:  # ENOSPC
+    if free < need or getattr(error, "errno", None) == errno.ENOSPC:
         return f"the disk is full ({_mib(free)} MiB free, about {_mib(need)} MiB needed)"
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)  # torch's C++ location
@@ -203,12 +204,12 @@ def _reason(error: BaseException, root: Path, need: int) -> str:
 
 def _intact(run_dir: str | Path, failed: Path) -> str:
     earlier = [p for p in checkpoint_dirs(run_dir) if p.name < failed.name]
-    kept = (
-        f"The latest complete checkpoint, {earlier[-1].name}, is intact"
-        if earlier
-        else ("There is no earlier checkpoint")
+    if not earlier:
+        return "There is no earlier checkpoint; free space or fix the cause, then start again."
+    return (
+        f"The latest complete checkpoint, {earlier[-1].name}, is intact; free space or fix the "
+        f"cause, then `fastgrpo train --resume {run_dir}`."
     )
-    return f"{kept}; free space or fix the cause, then `fastgrpo train --resume {run_dir}`."
 
 
 # ----------------------------------------------------------------------------- reading

@@ -8,6 +8,7 @@ prompts -> G completions each -> rewards -> advantages -> reference / old log-pr
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +83,11 @@ def check_run_dir(config: Config, resume: bool) -> Path:
 
 
 def write_run_config(run_dir: Path, config: Config) -> None:
+    """config.yaml, replaced atomically: a kill mid-write leaves the previous one."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    temporary = run_dir / ".config.yaml.tmp"
+    temporary.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(temporary, run_dir / "config.yaml")
 
 
 def finished_result(run_dir: Path, config: Config, step: int) -> TrainResult | None:
