@@ -230,7 +230,7 @@ def run_train(args) -> int:
 def run_eval(args) -> int:
     from fastgrpo.models import stop_token_ids
     from fastgrpo.rewards import RewardSet
-    from fastgrpo.train.checkpoint import latest_checkpoint
+    from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
     from fastgrpo.train.evaluate import evaluate
     from fastgrpo.train.trainer import build_task_data, load_configured_model
 
@@ -238,7 +238,9 @@ def run_eval(args) -> int:
     checkpoint = None
     if name and Path(name).is_dir():
         folder = Path(name)
-        checkpoint = folder if (folder / "model").is_dir() else latest_checkpoint(folder)
+        if (folder.parent / STATE_FILE).is_file():  # the model/ folder of a checkpoint
+            folder = folder.parent
+        checkpoint = folder if (folder / STATE_FILE).is_file() else latest_checkpoint(folder)
     if checkpoint is not None:  # a run or checkpoint folder: its weights and its settings
         name = str(checkpoint / "model")
         config = _run_config(checkpoint, args)

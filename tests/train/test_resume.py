@@ -245,7 +245,7 @@ def test_eval_of_a_run_or_checkpoint_folder_uses_the_runs_own_task_and_settings(
     task = write_task_folder(tmp_path / "task")
     train_tiny(tiny_model_dir, run_dir, steps=1, **{"task.name": "jsonl", "task.path": task})
     capsys.readouterr()
-    for model in (run_dir, latest_checkpoint(run_dir)):
+    for model in (run_dir, latest_checkpoint(run_dir), latest_checkpoint(run_dir) / "model"):
         assert main(["eval", "--model", str(model)]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["task"] == "jsonl"  # not the default arithmetic task
