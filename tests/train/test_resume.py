@@ -274,3 +274,13 @@ def test_a_damaged_trainer_state_is_named_in_one_line(tiny_model_dir, tmp_path, 
     assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot be read" in err and "step_000001" in err
+
+
+def test_resume_refuses_to_move_the_run_to_another_folder(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train_tiny(tiny_model_dir, run_dir, steps=1)
+    args = ["train", "--resume", str(run_dir), "--output-dir", str(tmp_path / "elsewhere")]
+    assert main([*args, "--set", "train.steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "copy the folder" in err
+    assert not (tmp_path / "elsewhere").exists()
