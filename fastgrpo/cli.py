@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -44,6 +45,15 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-run-code",
+        action="store_true",
+        help="run the code a run folder's config.yaml names (reward files, "
+        "model.trust_remote_code) and load trainer states of older fastgrpo versions",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastgrpo",
@@ -57,14 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="run GRPO training",
         description="Run GRPO training. Writes config.yaml, metrics.jsonl and "
-        "checkpoints/ into run.output_dir. Ctrl-C saves a checkpoint and exits.",
+        "checkpoints/ into run.output_dir. Ctrl-C or SIGTERM saves a checkpoint and exits.",
     )
     _add_config_arguments(train)
     train.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)",
+        help="continue the run in RUN_DIR from its latest checkpoint with its config.yaml; --set "
+        "may change steps, learning rate and schedule, eval, saving and logging (logged to "
+        "RUN_DIR/config_changes.jsonl), not the model, task, rewards, algorithm or batch shape",
     )
+    _add_trust_argument(train)
     train.add_argument("--output-dir", help="shorthand for --set run.output_dir=DIR")
     train.add_argument(
         "--profile",
@@ -77,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "eval",
         help="evaluate a model or checkpoint",
-        description="Accuracy and mean reward of a model on a task split, "
-        "with the task, rewards and sampling settings of CONFIG.",
+        description="Accuracy and mean reward of a model on a task split, with the task, "
+        "rewards and sampling settings of CONFIG; a run or checkpoint folder given as --model "
+        "brings its own config.yaml, which CONFIG and --set then override.",
     )
     _add_config_arguments(evaluate)
     evaluate.add_argument(
@@ -86,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="model name, hub id, directory, .gguf file, checkpoint or run folder "
         "(default: model.name of the config)",
     )
+    _add_trust_argument(evaluate)
     evaluate.add_argument(
         "--split", choices=("eval", "train"), default="eval", help="task split (default: eval)"
     )
@@ -130,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastgrpo.config import ConfigError
     from fastgrpo.data import DatasetError
     from fastgrpo.models import ModelNotFoundError
+    from fastgrpo.train.checkpoint import CheckpointError
 
     try:
         return {"train": run_train, "eval": run_eval, "config": run_config}[args.command](args)
@@ -138,6 +154,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except CheckpointError as error:  # the disk, not the user's input: exit code 1
+        if switches.debug():
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM where no step could finish first
+        number = getattr(stop, "signum", signal.SIGINT)
+        detail = getattr(stop, "detail", "")
+        print(
+            f"interrupted ({signal.Signals(number).name}){': ' + detail if detail else ''}",
+            file=sys.stderr,
+        )
+        return 128 + number
 
 
 def _load(args):
@@ -169,16 +198,19 @@ def run_train(args) -> int:
             raise ConfigError(
                 "--resume uses the run folder's own config.yaml; drop the CONFIG argument"
             )
-        config = load_resume_config(args.resume)
+        config = load_resume_config(args.resume, args.overrides, trust_run_code=args.trust_run_code)
     else:
         config = _load(args)  # the overrides are applied here
-    result = run_training(
-        config, resume=bool(args.resume), overrides=args.overrides if args.resume else ()
-    )
+    result = run_training(config, resume=bool(args.resume), trust_run_code=args.trust_run_code)
     before, after = result.eval_before, result.eval_after
     print(
         f"run folder: {result.run_dir} ({result.steps} steps{', interrupted' if result.interrupted else ''})"
     )
+    if result.finished_before:
+        print(
+            f"the run has finished all {result.steps} steps: nothing to do; to train on, raise "
+            f"train.steps, e.g. --set train.steps={result.steps + 10}"
+        )
     if before and after:
         print(
             f"held-out accuracy: {before['accuracy']:.3f} before -> {after['accuracy']:.3f} after "
@@ -192,21 +224,29 @@ def run_train(args) -> int:
         "accuracy_after": after and after["accuracy"],
     }
     print(json.dumps(summary))
-    return 130 if result.interrupted else 0
+    return 128 + result.stop_signal if result.interrupted else 0
 
 
 def run_eval(args) -> int:
     from fastgrpo.models import stop_token_ids
     from fastgrpo.rewards import RewardSet
-    from fastgrpo.train.checkpoint import latest_checkpoint
+    from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
     from fastgrpo.train.evaluate import evaluate
     from fastgrpo.train.trainer import build_task_data, load_configured_model
 
-    config = _load(args)
-    name = args.model or config.model.name
-    run_checkpoint = latest_checkpoint(name) if Path(name).is_dir() else None
-    if run_checkpoint is not None:  # a run folder: its newest checkpoint
-        name = str(run_checkpoint / "model")
+    name = args.model
+    checkpoint = None
+    if name and Path(name).is_dir():
+        folder = Path(name)
+        if (folder.parent / STATE_FILE).is_file():  # the model/ folder of a checkpoint
+            folder = folder.parent
+        checkpoint = folder if (folder / STATE_FILE).is_file() else latest_checkpoint(folder)
+    if checkpoint is not None:  # a run or checkpoint folder: its weights and its settings
+        name = str(checkpoint / "model")
+        config = _run_config(checkpoint, args)
+    else:
+        config = _load(args)
+        name = name or config.model.name
     model, tokenizer, source = load_configured_model(config, name)
     task = build_task_data(config)
     examples = (task.eval if args.split == "eval" else task.train)[
@@ -238,6 +278,34 @@ def run_eval(args) -> int:
     )
     print(json.dumps({"model": name, "task": config.task.name, "split": args.split, **scores}))
     return 0
+
+
+def _run_config(checkpoint: Path, args):
+    """The config a checkpoint was trained with, under CONFIG's keys and --set; the code it names
+    is shown, and refused unless CONFIG or --set name it too or --trust-run-code is given."""
+    from fastgrpo.config import config_from_dict, parse_override, read_yaml, set_dotted, validate
+    from fastgrpo.train.resume import check_run_code
+
+    path = checkpoint / "config.yaml"
+    if not path.is_file():
+        path = checkpoint.parent.parent / "config.yaml"
+    data = read_yaml(path) if path.is_file() else {}
+    preset = read_yaml(args.config) if args.config else {}
+    yours = config_from_dict(preset)  # what this command itself names
+    for item in args.overrides:
+        set_dotted(yours, *parse_override(item))
+    layered = {**data}
+    for section, value in preset.items():
+        if isinstance(value, dict) and isinstance(layered.get(section), dict):
+            layered[section] = {**layered[section], **value}
+        else:
+            layered[section] = value
+    config = config_from_dict(layered)
+    for item in args.overrides:
+        set_dotted(config, *parse_override(item))
+    validate(config)
+    check_run_code(config, yours, path.parent, trust=args.trust_run_code)
+    return config
 
 
 if __name__ == "__main__":

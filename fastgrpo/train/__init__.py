@@ -9,11 +9,17 @@ import types
 from pathlib import Path
 
 from fastgrpo.train.evaluate import evaluate
-from fastgrpo.train.loop import TrainResult, grpo_step, load_resume_config
+from fastgrpo.train.loop import TrainResult, grpo_step
+from fastgrpo.train.resume import load_resume_config
 
 
-def run_training(config=None, *, resume: bool = False, overrides=()) -> TrainResult:
-    """Train from a `Config`, a dict of sections, a YAML path, or None (the quick-start defaults)."""
+def run_training(
+    config=None, *, resume: bool = False, overrides=(), trust_run_code: bool = False
+) -> TrainResult:
+    """Train from a `Config`, a dict of sections, a YAML path, or None (the quick-start defaults).
+
+    `resume`: continue the run in run.output_dir (build its config with `load_resume_config`);
+    `trust_run_code`: also load a trainer state that needs full unpickling (an older format)."""
     from fastgrpo.config import (
         Config,
         config_from_dict,
@@ -35,7 +41,7 @@ def run_training(config=None, *, resume: bool = False, overrides=()) -> TrainRes
     for item in overrides:
         set_dotted(config, *parse_override(item))
     validate(config)
-    return _train(config, resume=resume)
+    return _train(config, resume=resume, trust_run_code=trust_run_code)
 
 
 class _CallableModule(types.ModuleType):

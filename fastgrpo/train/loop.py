@@ -8,7 +8,7 @@ prompts -> G completions each -> rewards -> advantages -> reference / old log-pr
 from __future__ import annotations
 
 import logging
-import signal
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,22 +17,30 @@ import torch
 import yaml
 
 from fastgrpo.algo import group_advantages, zero_std_fraction
-from fastgrpo.config import Config, ConfigError, config_from_dict, validate
+from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
 from fastgrpo.models import Transformer
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
 from fastgrpo.train.batching import plan_update
 from fastgrpo.train.checkpoint import (
+    checkpoint_step,
     latest_checkpoint,
     load_trainer_state,
+    remove_partial_checkpoints,
     save_checkpoint,
     set_rng_state,
 )
 from fastgrpo.train.evaluate import evaluate
-from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
+from fastgrpo.train.metrics import MetricsLog, peak_memory_gib, read_records
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
+from fastgrpo.train.resume import (
+    changed_settings,
+    record_changes,
+    restore_optimizer,
+)
 from fastgrpo.train.scoring import score_old, score_reference
+from fastgrpo.train.stopping import Interrupted, StopRequest
 from fastgrpo.train.trainer import (
     Trainer,
     build_rewards,
@@ -55,6 +63,8 @@ class TrainResult:
     eval_after: dict | None = None
     history: list[dict] = field(default_factory=list)
     interrupted: bool = False
+    stop_signal: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
+    finished_before: bool = False  # resumed a run that had finished: nothing was done
     profile_trace: Path | None = None  # the Chrome trace of run.profile_steps steps, if any
 
 
@@ -73,33 +83,82 @@ def check_run_dir(config: Config, resume: bool) -> Path:
 
 
 def write_run_config(run_dir: Path, config: Config) -> None:
+    """config.yaml, replaced atomically: a kill mid-write leaves the previous one."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    temporary = run_dir / ".config.yaml.tmp"
+    temporary.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(temporary, run_dir / "config.yaml")
 
 
-def load_resume_config(run_dir: str | Path) -> Config:
-    """The config a run folder was started with, pointed at that folder."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"--resume: {run_dir} has no config.yaml; is it a fastgrpo run folder?")
-    data = yaml.safe_load(path.read_text())
-    config = config_from_dict(data)
-    config.run.output_dir = str(run_dir)
-    config.run.profile_steps = 0  # a profile is asked for per command (--profile), not inherited
-    validate(config)
-    return config
+def finished_result(run_dir: Path, config: Config, step: int) -> TrainResult | None:
+    """For a resumed run at `step`: a result saying there is nothing to do when it has trained
+    every step and has its final evaluation (if one is wanted), else None."""
+    if step > config.train.steps:
+        raise ConfigError(
+            f"train.steps={config.train.steps} is below the {step} steps {run_dir} has trained "
+            f"already; to train on, raise it, e.g. --set train.steps={step + 10}."
+        )
+    if step < config.train.steps:
+        return None
+    path = run_dir / "metrics.jsonl"
+    records = read_records(path) if path.is_file() else []
+    evals = {r.get("when"): r for r in records if r.get("kind") == "eval"}
+    after = evals.get("after")
+    if config.eval.after and not (after and after.get("step") == step):
+        return None  # stopped during its final evaluation: that is what is left to do
+    scores = {
+        w: {k: v for k, v in r.items() if k not in ("kind", "when", "step")}
+        for w, r in evals.items()
+    }
+    return TrainResult(
+        run_dir, step, scores.get("before"), scores.get("after"), finished_before=True
+    )
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(config: Config, *, resume: bool = False) -> TrainResult:
-    """Run GRPO training as configured; `resume` continues the run in `config.run.output_dir`."""
+def train(config: Config, *, resume: bool = False, trust_run_code: bool = False) -> TrainResult:
+    """Run GRPO training as configured; `resume` continues the run in `config.run.output_dir`
+    (`trust_run_code`: also from a trainer state that needs full unpickling, see checkpoint.py).
+
+    SIGINT or SIGTERM while steps run: the step finishes, a checkpoint is saved and the result
+    says `interrupted`; before the first step or during the final evaluation: `Interrupted`."""
     run_dir = check_run_dir(config, resume)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    changes = changed_settings(checkpoint, config) if checkpoint else {}
+    if checkpoint is not None:
+        done = finished_result(run_dir, config, checkpoint_step(checkpoint))
+        if done is not None:
+            return done
+    removed = remove_partial_checkpoints(run_dir)
+    if removed:
+        log.warning("removed %s: checkpoint writes an earlier process never finished", removed)
+    stop = StopRequest()
+    try:
+        return _train(config, run_dir, checkpoint, changes, stop, trust_run_code)
+    except Interrupted as interrupt:
+        interrupt.detail = interrupt.detail or (
+            f"stopped before the first step; {run_dir} is as it was"
+            if checkpoint
+            else "stopped before the first step; nothing was trained"
+        )
+        raise
+    finally:
+        stop.restore()
+
+
+def _train(
+    config: Config,
+    run_dir: Path,
+    checkpoint: Path | None,
+    changes: dict,
+    stop: StopRequest,
+    trust_run_code: bool,
+) -> TrainResult:
     torch.manual_seed(config.train.seed)
     task = build_task_data(config)
     rewards = build_rewards(config)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
     model, tokenizer, _ = load_configured_model(config, model_name)
     check_fused_lm_head(config, model)  # fail here, before loading the reference or any rollout
@@ -113,9 +172,8 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     optimizer, scheduler = trainer.optimizer, trainer.scheduler
     step = 0
     if checkpoint is not None:
-        state = load_trainer_state(checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        state = load_trainer_state(checkpoint, trust=trust_run_code)
+        restore_optimizer(optimizer, scheduler, state["optimizer"], state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         step = state["step"]
@@ -125,6 +183,10 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     metrics = MetricsLog(
         run_dir, total_steps=config.train.steps, start_step=step, show_progress=config.run.progress
     )
+    if checkpoint is not None:
+        record_changes(run_dir, step, changes)
+        for key, (old, new) in changes.items():
+            metrics.write(f"resume: {key} {old!r} -> {new!r} from step {step + 1}")
     profiler = StepProfiler(
         run_dir, profiled_steps(config.run.profile_steps, step, config.train.steps), model.device
     )
@@ -133,7 +195,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
         result.eval_before = metrics.find(kind="eval", when="before")
-    stop = _StopRequest()
+    stop.during_steps = True
     try:
         while step < config.train.steps and not stop.requested:
             examples = [task.train[i] for i in sampler.next_batch()]
@@ -174,13 +236,26 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
                     metrics.write(
                         f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
                     )
+    except Interrupted as interrupt:  # the second signal: no step to finish, nothing saved
+        saved = latest_checkpoint(run_dir)
+        interrupt.detail = f"aborted at step {step}; " + (
+            f"the latest checkpoint is {saved}" if saved else "no checkpoint was saved"
+        )
+        raise
     finally:
-        stop.restore()
+        stop.during_steps = False
         _report_trace(result, metrics, profiler.finish())  # stopped early: what was recorded
     result.steps = step
-    result.interrupted = stop.requested
+    result.interrupted, result.stop_signal = stop.requested, stop.signum
     if config.eval.after and not stop.requested and step == config.train.steps:
-        result.eval_after = evaluate_now(step, "after")
+        try:
+            result.eval_after = evaluate_now(step, "after")
+        except Interrupted as interrupt:
+            interrupt.detail = (
+                f"stopped during the final evaluation; all {step} steps are saved, and "
+                f"`fastgrpo train --resume {run_dir}` runs the evaluation"
+            )
+            raise
     metrics.close()
     release_engine(model)  # its KV cache and graphs go now, not at the next garbage collection
     return result
@@ -227,30 +302,6 @@ def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: Metric
         return scores
 
     return run
-
-
-class _StopRequest:
-    """First Ctrl-C asks the loop to save and stop after the current step; a second one aborts."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = signal.getsignal(signal.SIGINT)
-        try:
-            signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave Ctrl-C alone
-            self._previous = None
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning(
-            "Ctrl-C: finishing this step, saving a checkpoint and exiting (Ctrl-C again to abort)"
-        )
-
-    def restore(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 # ----------------------------------------------------------------------------- one step

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import resource
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from fastgrpo.config import ConfigError
+
+log = logging.getLogger("fastgrpo.train")
 
 BAR_KEYS = (
     ("reward", "reward/mean"),
@@ -43,19 +49,20 @@ class MetricsLog:
         )
 
     def _keep_until(self, step: int) -> None:
-        """On resume, steps after the checkpoint are redone: drop their stale lines."""
+        """On resume, steps after the checkpoint are redone: drop their stale lines (atomically,
+        so a kill now loses nothing)."""
         if not self.path.exists():
             return
-        lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [r for r in read_records(self.path) if r.get("step", 0) <= step]
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(temporary, self.path)
 
     def find(self, **match) -> dict | None:
         """The last record written so far whose fields equal `match`."""
         self.file.flush()
         found = None
-        for line in self.path.read_text().splitlines():
-            record = json.loads(line)
+        for record in read_records(self.path):
             if all(record.get(k) == v for k, v in match.items()):
                 found = record
         return found
@@ -76,6 +83,27 @@ class MetricsLog:
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+
+
+def read_records(path: Path) -> list[dict]:
+    """The JSON records of a metrics file. A cut-off last line (a crash or a full disk mid-write)
+    is left out with a warning; a bad line elsewhere is an error naming file and line."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ConfigError(
+                    f"{path}:{number} is not a JSON record; repair or delete that line"
+                ) from None
+            log.warning(
+                "%s: dropping its last line, cut off mid-write (%d characters)", path, len(line)
+            )
+    return records
 
 
 def _plain(value):

@@ -57,7 +57,8 @@ def test_profile_writes_a_chrome_trace_of_the_step_after_the_first_and_changes_n
     assert all(torch.equal(final_profiled[k], v) for k, v in final_plain.items())
 
     # resuming does not profile again unless asked to; then step 4 warms up and 5 is recorded
-    resume = ["train", "--resume", str(tmp_path / "profiled")]
+    # (--trust-run-code: the run's config names a reward file, our own)
+    resume = ["train", "--resume", str(tmp_path / "profiled"), "--trust-run-code"]
     assert main([*resume, "--set", "train.steps=3"]) == 0
     assert list((tmp_path / "profiled" / "profile").iterdir()) == [trace]
     assert main([*resume, "--set", "train.steps=5", "--profile", "1"]) == 0

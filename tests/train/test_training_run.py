@@ -223,7 +223,8 @@ def test_resume_after_ctrl_c_gives_the_same_next_step_as_an_uninterrupted_run(
     assert latest_checkpoint(tmp_path / "b").name == "step_000002"
     monkeypatch.delenv("INTERRUPT_AT")
 
-    resumed = run_training(load_resume_config(tmp_path / "b"), resume=True)
+    # its rewards come from a file: resuming runs that code only when trusted
+    resumed = run_training(load_resume_config(tmp_path / "b", trust_run_code=True), resume=True)
     assert resumed.steps == 3 and len(resumed.history) == 1
     want, got = straight.history[2], resumed.history[0]
     for key in ("reward/mean", "loss", "grad_norm", "completion/mean_length", "lr", "entropy"):
