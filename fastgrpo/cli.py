@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from fastgrpo import switches
+from fastgrpo.errors import RunStopped, UserError
 
 DESCRIPTION = """\
 Train language models with GRPO-family reinforcement learning.
@@ -110,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the configuration CONFIG and --set give, as YAML.",
     )
     _add_config_arguments(config)
-    config.add_argument("--keys", action="store_true", help="list every valid key instead")
+    config.add_argument(
+        "--keys",
+        action="store_true",
+        help="list every valid key with its type, default and meaning instead",
+    )
     return parser
 
 
@@ -127,17 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from fastgrpo.config import ConfigError
-    from fastgrpo.data import DatasetError
-    from fastgrpo.models import ModelNotFoundError
-
     try:
         return {"train": run_train, "eval": run_eval, "config": run_config}[args.command](args)
-    except (ConfigError, DatasetError, ModelNotFoundError) as error:
+    except (UserError, RunStopped) as error:
         if switches.debug():
             raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, UserError) else 1
+
+
+def _one_line(error: Exception) -> str:
+    """The message on one line (a YAML or JSON parser's own message may span several)."""
+    return " ".join(str(error).split())
 
 
 def _load(args):
@@ -147,10 +153,10 @@ def _load(args):
 
 
 def run_config(args) -> int:
-    from fastgrpo.config import all_keys
+    from fastgrpo.config_keys import format_key_table
 
     if args.keys:
-        print("\n".join(all_keys()))
+        print(format_key_table())
         return 0
     print(yaml.safe_dump(_load(args).to_dict(), sort_keys=False), end="")
     return 0

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from fastgrpo.data.example import Example, TaskData
+from fastgrpo.errors import UserError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet", ".json")
 # "org/name" or "name", optionally followed by ":config".
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file or record cannot be used; the message says where and how to fix it."""
 
 

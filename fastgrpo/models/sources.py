@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo import switches
+from fastgrpo.errors import UserError
 
 log = logging.getLogger("fastgrpo.models")
 
@@ -38,7 +39,7 @@ BACKENDS = ("auto", "native", "hf")
 BUILTIN_ALIASES = {"default": "smollm2-135m-instruct", "smollm2": "smollm2-135m-instruct"}
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(UserError):
     """The model name is neither a built-in, a local path, nor a plausible hub id."""
 
 
