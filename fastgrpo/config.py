@@ -188,7 +188,9 @@ def read_yaml(path: str | Path) -> dict:
             hint = f" Presets in ./configs: {', '.join(presets)}."
         raise ConfigError(f"config file not found: {path}.{hint}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text ({error}); re-save it as UTF-8") from error
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):

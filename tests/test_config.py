@@ -72,6 +72,10 @@ def test_missing_or_malformed_config_files_are_reported(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("task:\n  system_prompt: café\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin.yaml is not UTF-8 text"):
+        load_config(latin)
 
 
 def test_all_keys_lists_every_section_field():

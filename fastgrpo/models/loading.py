@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from fastgrpo.models.native_io import load_native_model
+from fastgrpo.models.native_io import check_finite_weights, damaged_file_error, load_native_model
 from fastgrpo.models.sources import (
     BACKENDS,
     ModelNotFoundError,
@@ -75,12 +75,17 @@ def load_model(
     source = resolve_model(name, revision)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.path, dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code
         )
+    except SafetensorError as error:
+        raise damaged_file_error(source.description, error) from error
     except OSError as error:
         raise ModelNotFoundError(f"could not load {source.description}: {error}") from error
+    check_finite_weights(model.state_dict().items(), source.description)
     tokenizer = load_tokenizer(source, revision, trust_remote_code)
     model.to(torch_device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -38,6 +38,7 @@ from fastgrpo.train.trainer import (
     build_rewards,
     build_task_data,
     build_trainer,
+    check_enough_prompts,
     check_fused_lm_head,
     load_configured_model,
 )
@@ -98,6 +99,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
     run_dir = check_run_dir(config, resume)
     torch.manual_seed(config.train.seed)
     task = build_task_data(config)
+    check_enough_prompts(config, task)
     rewards = build_rewards(config)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
