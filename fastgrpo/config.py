@@ -402,11 +402,11 @@ def _check_range(config: Config, key: str, interval: str) -> None:
     value = _get(config, key)
     if value is None or in_range(value, interval):
         return
-    extra = f"; {_BOUND_HINTS[key]}" if key in _BOUND_HINTS else ""
+    extra = f" ({_BOUND_HINTS[key]})" if key in _BOUND_HINTS else ""
     default = _get(Config(), key)
     raise ConfigError(
-        f"'{key}' is {value}; it must be {describe_range(interval)}{extra} "
-        f"(the default is {default})."
+        f"'{key}' is {value}; it must be {describe_range(interval)}{extra}; "
+        f"the default is {default}."
     )
 
 

@@ -19,6 +19,7 @@ import yaml
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError, config_from_dict, validate
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
+from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
@@ -30,6 +31,7 @@ from fastgrpo.train.checkpoint import (
     set_rng_state,
 )
 from fastgrpo.train.evaluate import evaluate
+from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.scoring import score_old, score_reference
@@ -135,6 +137,12 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
         result.eval_before = metrics.find(kind="eval", when="before")
+    guard = RunGuard(
+        max_nonfinite_steps=config.train.max_nonfinite_steps,
+        max_reward_failure_frac=config.train.max_reward_failure_frac,
+        max_failing_reward_steps=config.train.max_failing_reward_steps,
+        completions_per_step=config.rollout.prompts_per_step * config.rollout.num_generations,
+    )
     stop = _StopRequest()
     try:
         while step < config.train.steps and not stop.requested:
@@ -147,6 +155,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
             record["step"] = step
             metrics.log(record)
             result.history.append(record)
+            guard.check(record, latest_checkpoint(run_dir))  # before this step's checkpoint
             if (
                 config.eval.every_steps
                 and step % config.eval.every_steps == 0
@@ -176,6 +185,10 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
                     metrics.write(
                         f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
                     )
+    except RunStopped:
+        metrics.close()
+        release_engine(model)
+        raise
     finally:
         stop.restore()
         _report_trace(result, metrics, profiler.finish())  # stopped early: what was recorded
@@ -351,6 +364,7 @@ def step_record(rollout, reward, scores, update: dict, num_generations: int) -> 
         "frac_zero_std_groups": zero_std_fraction(reward, num_generations).item(),
         **{f"rewards/{name}": sum(v) / len(v) for name, v in result.per_reward.items()},
         **{f"reward_failures/{name}": n for name, n in result.failures.items() if n},
+        **{f"reward_errors/{name}": text for name, text in result.errors.items()},
         "completion/mean_length": lengths.mean().item(),
         "completion/min_length": lengths.min().item(),
         "completion/max_length": lengths.max().item(),

@@ -51,21 +51,33 @@ class ModelOptimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self, max_grad_norm: float) -> torch.Tensor | None:
-        """Clip the gradients (max_grad_norm > 0) and step AdamW; the gradient norm before
-        clipping as a 0-d tensor on the device (None when not clipping or nothing had a gradient)."""
+    def step(
+        self, max_grad_norm: float, loss: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Clip the gradients (max_grad_norm > 0) and step AdamW, unless the gradient norm or
+        `loss` is NaN/inf: then the gradients are dropped and nothing changes. Returns the
+        gradient norm before clipping as a 0-d tensor on the device (None when nothing had a
+        gradient) and whether the step was taken (False: skipped as non-finite)."""
         if self.masters is not None and not self.masters.load_gradients():
-            return None
-        norm = None
-        if max_grad_norm > 0:
-            grads = [p for p in self._stepped if p.grad is not None]
-            if grads:
-                norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
+            return None, True
+        grads = [p.grad for p in self._stepped if p.grad is not None]
+        if not grads:
+            self.adamw.step()  # changes nothing; the schedule sees the optimizer stepped
+            return None, True
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm + loss)
+        if not finite.item():  # the one host sync of a step: a NaN step must not reach AdamW
+            self.zero_grad()
+            if self.masters is not None:
+                self.masters.release_gradients()
+            return norm, False
+        if max_grad_norm > 0:  # as clip_grad_norm_ does, with the norm computed above
+            torch._foreach_mul_(grads, (max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
         self.adamw.step()
         if self.masters is not None:
             self.masters.refresh()
             self.masters.release_gradients()
-        return norm
+        return norm, True
 
     def state_dict(self) -> dict:
         state = {"adamw": self.adamw.state_dict()}
