@@ -88,3 +88,9 @@ def save_checkpoint(
 
 def load_trainer_state(checkpoint: Path) -> dict:
     return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def checkpoint_size(path: str | Path) -> str:
+    """The size of a checkpoint folder on disk, for the run log ("1.55 GB")."""
+    total = sum(file.stat().st_size for file in Path(path).rglob("*") if file.is_file())
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"

@@ -25,6 +25,7 @@ from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
 from fastgrpo.train.batching import plan_update
 from fastgrpo.train.checkpoint import (
+    checkpoint_size,
     latest_checkpoint,
     load_trainer_state,
     save_checkpoint,
@@ -181,6 +182,10 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
                     config=config.to_dict(),
                     keep=config.run.keep_checkpoints,
                 )
+                metrics.write(
+                    f"checkpoint: saved {where} ({checkpoint_size(where)}; the newest "
+                    f"run.keep_checkpoints={config.run.keep_checkpoints} are kept)"
+                )
                 if stop.requested:
                     metrics.write(
                         f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
@@ -214,18 +219,19 @@ def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: Metric
         if not problems:
             return None
         start = time.perf_counter()
-        scores = evaluate(
-            trainer.model,
-            trainer.tokenizer,
-            problems,
-            rewards=trainer.rewards,
-            stop_ids=trainer.stop_ids,
-            system_prompt=config.task.system_prompt,
-            temperature=config.eval.temperature,
-            max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
-            batch_size=config.eval.batch_size,
-            seed=config.train.seed,
-        )
+        with metrics.paused():  # the progress bar's ETA counts training steps only
+            scores = evaluate(
+                trainer.model,
+                trainer.tokenizer,
+                problems,
+                rewards=trainer.rewards,
+                stop_ids=trainer.stop_ids,
+                system_prompt=config.task.system_prompt,
+                temperature=config.eval.temperature,
+                max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
+                batch_size=config.eval.batch_size,
+                seed=config.train.seed,
+            )
         metrics.log(
             {
                 "kind": "eval",
