@@ -94,9 +94,10 @@ class MetricsLog:
         try:
             yield
         finally:
-            spent = time.time() - start
-            self.bar.start_t += spent
-            self.bar.last_print_t += spent
+            if not self.bar.disable:  # a disabled bar keeps no clock
+                spent = time.time() - start
+                self.bar.start_t += spent
+                self.bar.last_print_t += spent
 
     def close(self) -> None:
         self._redirect.close()
