@@ -201,6 +201,28 @@ def run_train(args) -> int:
     return 130 if result.interrupted else 0
 
 
+# eval's flags -> the config key whose range each one has
+EVAL_FLAGS = {
+    "num": "eval.num_problems",
+    "temperature": "eval.temperature",
+    "top_k": "rollout.top_k",
+    "top_p": "rollout.top_p",
+    "max_new_tokens": "eval.max_new_tokens",
+}
+
+
+def _check_eval_flags(args) -> None:
+    from fastgrpo.config import RANGES, ConfigError, describe_range, in_range
+
+    for name, key in EVAL_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and not in_range(value, RANGES[key]):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is {value}; it must be {describe_range(RANGES[key])} (as {key})."
+            )
+
+
 def run_eval(args) -> int:
     from fastgrpo.models import stop_token_ids
     from fastgrpo.rewards import RewardSet
@@ -209,6 +231,7 @@ def run_eval(args) -> int:
     from fastgrpo.train.trainer import build_task_data, load_configured_model
 
     config = _load(args)
+    _check_eval_flags(args)
     name = args.model or config.model.name
     run_checkpoint = latest_checkpoint(name) if Path(name).is_dir() else None
     if run_checkpoint is not None:  # a run folder: its newest checkpoint

@@ -337,7 +337,7 @@ _CHOICES = {
 
 # The allowed range of every numeric key: "[" or "]" includes a bound, "(" or ")" excludes it.
 # A value outside trains nothing useful (lr 10 destroys the model in a step) or crashes later.
-_RANGES = {
+RANGES = {
     "task.num_train": "[1, inf)",
     "task.num_eval": "[1, inf)",
     "task.seed": "[0, inf)",
@@ -430,7 +430,7 @@ def validate(config: Config) -> None:
             close = difflib.get_close_matches(str(value), choices, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"'{key}' is {value!r}; choose one of {', '.join(choices)}.{hint}")
-    for key, interval in _RANGES.items():
+    for key, interval in RANGES.items():
         _check_range(config, key, interval)
     _validate_batches(config)
     if config.task.name in ("jsonl", "parquet", "hf") and not config.task.path:

@@ -150,3 +150,18 @@ def test_out_of_range_values_stop_train_with_one_line(override, names, tmp_path,
     )
     assert names in err and "the default is" in err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--top-p", "5", "--top-p is 5.0; it must be in (0, 1]"),
+        ("--temperature", "-1", "--temperature is -1.0; it must be in [0, 10]"),
+        ("--top-k", "-3", "--top-k is -3; it must be >= 0"),
+        ("--num", "-1", "--num is -1; it must be >= 0"),
+        ("--max-new-tokens", "0", "--max-new-tokens is 0; it must be >= 1"),
+    ],
+)
+def test_eval_flags_outside_their_range_are_one_line_errors(flag, value, message, capsys):
+    err = _one_line_error(["eval", "--model", "nowhere", flag, value], capsys)
+    assert message in err

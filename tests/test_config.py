@@ -104,15 +104,15 @@ NUMERIC = (int, float, "int | None", "float | None", "int", "float")
 
 
 def test_every_numeric_key_has_a_checked_range_that_holds_its_default():
-    from fastgrpo.config import _RANGES, in_range
+    from fastgrpo.config import RANGES, in_range
     from fastgrpo.config_keys import key_table
 
     numeric = [key for key, kind, _, _ in key_table() if kind in NUMERIC]
-    assert sorted(numeric) == sorted(_RANGES)
+    assert sorted(numeric) == sorted(RANGES)
     for key in numeric:
         section, name = key.split(".")
         default = getattr(getattr(Config(), section), name)
-        assert default is None or in_range(default, _RANGES[key]), key
+        assert default is None or in_range(default, RANGES[key]), key
 
 
 @pytest.mark.parametrize(
