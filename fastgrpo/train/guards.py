@@ -15,6 +15,7 @@ the last one written from good steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from fastgrpo.errors import RunStopped
@@ -28,23 +29,26 @@ class RunGuard:
         max_reward_failure_frac: float,
         max_failing_reward_steps: int,
         completions_per_step: int,
+        last_checkpoint: Callable[[], Path | None],
     ):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.max_failure_frac = max_reward_failure_frac
         self.max_failing_steps = max_failing_reward_steps
         self.completions = completions_per_step
+        self.last_checkpoint = last_checkpoint  # looked up only when the run stops
         self.nonfinite_run = 0  # steps in a row with a skipped optimizer step
         self.failing_runs: dict[str, int] = {}  # reward -> steps in a row it failed too often
         self.first_errors: dict[str, str] = {}  # reward -> its first error in that run
 
-    def check(self, record: dict, last_checkpoint: Path | None) -> None:
+    def check(self, record: dict) -> None:
         """Count this step's record; RunStopped when a limit is reached."""
         step = record["step"]
         self.nonfinite_run = self.nonfinite_run + 1 if record.get("skipped_steps") else 0
         if self.nonfinite_run >= self.max_nonfinite_steps:
+            last = self.last_checkpoint()
             kept = (
-                f"the newest checkpoint, {last_checkpoint}, holds the last good weights"
-                if last_checkpoint is not None
+                f"the newest checkpoint, {last}, holds the last good weights"
+                if last is not None
                 else "no checkpoint was written"
             )
             raise RunStopped(
@@ -53,14 +57,9 @@ class RunGuard:
                 f"{self.max_nonfinite_steps}); those steps were skipped and {kept}. Lower "
                 "train.learning_rate or use model.dtype=float32, and check the rewards"
             )
-        kept = (
-            f"the newest checkpoint is {last_checkpoint}"
-            if last_checkpoint
-            else "no checkpoint was written"
-        )
-        self._check_rewards(record, step, kept)
+        self._check_rewards(record, step)
 
-    def _check_rewards(self, record: dict, step: int, kept: str) -> None:
+    def _check_rewards(self, record: dict, step: int) -> None:
         prefix = "reward_failures/"
         failing = {
             key[len(prefix) :]: count
@@ -75,6 +74,8 @@ class RunGuard:
             error = record.get(f"reward_errors/{name}", "no error text")
             self.first_errors.setdefault(name, error)
             if self.failing_runs[name] >= self.max_failing_steps:
+                last = self.last_checkpoint()
+                kept = f"the newest checkpoint is {last}" if last else "no checkpoint was written"
                 raise RunStopped(
                     f"training stopped at step {step}: reward '{name}' failed on {count} of "
                     f"{self.completions} completions in {self.failing_runs[name]} steps in a row "

@@ -143,6 +143,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
         max_reward_failure_frac=config.train.max_reward_failure_frac,
         max_failing_reward_steps=config.train.max_failing_reward_steps,
         completions_per_step=config.rollout.prompts_per_step * config.rollout.num_generations,
+        last_checkpoint=lambda: latest_checkpoint(run_dir),
     )
     stop = _StopRequest()
     try:
@@ -156,7 +157,7 @@ def train(config: Config, *, resume: bool = False) -> TrainResult:
             record["step"] = step
             metrics.log(record)
             result.history.append(record)
-            guard.check(record, latest_checkpoint(run_dir))  # before this step's checkpoint
+            guard.check(record)  # before this step's checkpoint
             if (
                 config.eval.every_steps
                 and step % config.eval.every_steps == 0

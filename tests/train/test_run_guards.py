@@ -155,19 +155,21 @@ def test_guard_counts_only_steps_in_a_row():
         max_reward_failure_frac=0.5,
         max_failing_reward_steps=2,
         completions_per_step=8,
+        last_checkpoint=lambda: None,
     )
     failing = {"reward_failures/r": 5, "reward_errors/r": "ValueError: first"}
-    guard.check({"step": 1, "skipped_steps": 1, **failing}, None)
-    guard.check({"step": 2, "skipped_steps": 0, "reward_failures/r": 4}, None)  # 4 of 8: not more
-    guard.check({"step": 3, "skipped_steps": 1, **failing}, None)
+    guard.check({"step": 1, "skipped_steps": 1, **failing})
+    guard.check({"step": 2, "skipped_steps": 0, "reward_failures/r": 4})  # 4 of 8: not more
+    guard.check({"step": 3, "skipped_steps": 1, **failing})
     with pytest.raises(RunStopped, match="NaN/inf in 2 steps in a row"):
-        guard.check({"step": 4, "skipped_steps": 1}, None)
+        guard.check({"step": 4, "skipped_steps": 1})
     guard = RunGuard(
         max_nonfinite_steps=9,
         max_reward_failure_frac=0.5,
         max_failing_reward_steps=2,
         completions_per_step=8,
+        last_checkpoint=lambda: None,
     )
-    guard.check({"step": 1, **failing}, None)
+    guard.check({"step": 1, **failing})
     with pytest.raises(RunStopped, match="its first error: ValueError: first"):
-        guard.check({"step": 2, "reward_failures/r": 8, "reward_errors/r": "ValueError: 2nd"}, None)
+        guard.check({"step": 2, "reward_failures/r": 8, "reward_errors/r": "ValueError: 2nd"})
