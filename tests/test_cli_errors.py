@@ -67,7 +67,8 @@ def test_non_utf8_data_file_names_the_file_line_and_byte(tiny_model_dir, tmp_pat
 
 
 def damage(model_dir, tmp_path, how: str):
-    """A copy of the tiny model whose model.safetensors is truncated, garbled or holds a NaN."""
+    """A copy of the tiny model whose model.safetensors is truncated, garbled, holds a NaN or
+    misses a tensor."""
     copy = tmp_path / f"model-{how}"
     shutil.copytree(model_dir, copy)
     weights = copy / "model.safetensors"
@@ -79,7 +80,10 @@ def damage(model_dir, tmp_path, how: str):
         weights.write_bytes(data)
     else:
         state = load_file(str(weights))
-        state["model.layers.1.self_attn.o_proj.weight"][3, 5] = math.nan
+        if how == "nan":
+            state["model.layers.1.self_attn.o_proj.weight"][3, 5] = math.nan
+        else:  # a tensor missing
+            del state["model.layers.1.mlp.up_proj.weight"]
         save_file(state, str(weights), metadata={"format": "pt"})
     return copy
 
@@ -99,3 +103,11 @@ def test_nan_weights_are_refused_naming_the_tensor(backend, tiny_model_dir, tmp_
     args = [f"model.name={model}", "model.device=cpu", f"model.backend={backend}"]
     err = train_error(args, tmp_path / "r", capsys)
     assert "tensor 'model.layers.1.self_attn.o_proj.weight' holds 1 NaN/inf value(s)" in err
+
+
+def test_weights_that_do_not_match_the_config_are_named(tiny_model_dir, tmp_path, capsys):
+    model = damage(tiny_model_dir, tmp_path, "missing")
+    args = [f"model.name={model}", "model.device=cpu", "model.backend=native"]
+    err = train_error(args, tmp_path / "r", capsys)
+    assert f"{model}: the weights do not match its config.json" in err
+    assert "model.layers.1.mlp.up_proj.weight" in err

@@ -43,9 +43,15 @@ def load_native_model(
     torch_dtype = resolve_dtype(dtype, torch_device) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         model = Transformer(config)
-    model.load_state_dict(
-        read_state_dict(directory, torch_dtype, torch_device), strict=True, assign=True
-    )
+    state = read_state_dict(directory, torch_dtype, torch_device)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:  # missing, extra or mis-shaped tensors
+        detail = " ".join(str(error).split())[:300]
+        raise ModelFileError(
+            f"{directory}: the weights do not match its config.json ({detail}); the files come "
+            "from different models or a damaged download: copy the model folder again"
+        ) from error
     model.source_dir = directory
     model.eos_token_ids = generation_eos_ids(directory)
     if torch_device.type == "cuda":  # one GEMM for q/k/v and for gate/up in rollouts
