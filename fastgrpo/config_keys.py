@@ -7,6 +7,7 @@ that file stays the one place that says what a key does; a test checks every key
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -18,7 +19,7 @@ from fastgrpo.config import Config, all_keys
 
 def key_table() -> list[tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every key; the meaning is the comment on the key's line
-    in the dataclasses above, so the code stays the one place that says what a key does."""
+    in config.py's dataclasses, so the code stays the one place that says what a key does."""
     rows = []
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for key in all_keys():
@@ -35,6 +36,7 @@ def key_table() -> list[tuple[str, str, str, str]]:
     return rows
 
 
+@functools.cache
 def _field_comments(owner: type) -> dict[str, str]:
     """Field name -> the comment at the end of its line in `owner`'s source."""
     try:
