@@ -105,9 +105,10 @@ def test_nan_weights_are_refused_naming_the_tensor(backend, tiny_model_dir, tmp_
     assert "tensor 'model.layers.1.self_attn.o_proj.weight' holds 1 NaN/inf value(s)" in err
 
 
-def test_weights_that_do_not_match_the_config_are_named(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_weights_that_do_not_match_the_config_are_named(backend, tiny_model_dir, tmp_path, capsys):
     model = damage(tiny_model_dir, tmp_path, "missing")
-    args = [f"model.name={model}", "model.device=cpu", "model.backend=native"]
+    args = [f"model.name={model}", "model.device=cpu", f"model.backend={backend}"]
     err = train_error(args, tmp_path / "r", capsys)
     assert f"{model}: the weights do not match its config.json" in err
     assert "model.layers.1.mlp.up_proj.weight" in err

@@ -9,6 +9,7 @@ import logging
 from fastgrpo.models.native_io import check_finite_weights, damaged_file_error, load_native_model
 from fastgrpo.models.sources import (
     BACKENDS,
+    ModelFileError,
     ModelNotFoundError,
     ModelSource,
     resolve_device,
@@ -78,13 +79,24 @@ def load_model(
     from safetensors import SafetensorError
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.path,
+            dtype=torch_dtype,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
     except SafetensorError as error:
         raise damaged_file_error(source.description, error) from error
     except OSError as error:
         raise ModelNotFoundError(f"could not load {source.description}: {error}") from error
+    missing = sorted(info["missing_keys"])  # transformers would train them from random values
+    if missing:
+        raise ModelFileError(
+            f"{source.description}: the weights do not match its config.json ({len(missing)} "
+            f"tensor(s) missing, e.g. {missing[0]}); the files come from different models or a "
+            "damaged download: copy the model folder again"
+        )
     check_finite_weights(model.state_dict().items(), source.description)
     tokenizer = load_tokenizer(source, revision, trust_remote_code)
     model.to(torch_device)
