@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from fastgrpo import switches
+from fastgrpo.errors import RunStopped, UserError
 
 DESCRIPTION = """\
 Train language models with GRPO-family reinforcement learning.
@@ -125,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the configuration CONFIG and --set give, as YAML.",
     )
     _add_config_arguments(config)
-    config.add_argument("--keys", action="store_true", help="list every valid key instead")
+    config.add_argument(
+        "--keys",
+        action="store_true",
+        help="list every valid key with its type, default and meaning instead",
+    )
     return parser
 
 
@@ -142,23 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from fastgrpo.config import ConfigError
-    from fastgrpo.data import DatasetError
-    from fastgrpo.models import ModelNotFoundError
-    from fastgrpo.train.checkpoint import CheckpointError
-
     try:
         return {"train": run_train, "eval": run_eval, "config": run_config}[args.command](args)
-    except (ConfigError, DatasetError, ModelNotFoundError) as error:
+    except (UserError, RunStopped) as error:
         if switches.debug():
             raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except CheckpointError as error:  # the disk, not the user's input: exit code 1
-        if switches.debug():
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, UserError) else 1
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM where no step could finish first
         number = getattr(stop, "signum", signal.SIGINT)
         detail = getattr(stop, "detail", "")
@@ -169,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + number
 
 
+def _one_line(error: Exception) -> str:
+    """The message on one line (a YAML or JSON parser's own message may span several)."""
+    return " ".join(str(error).split())
+
+
 def _load(args):
     from fastgrpo.config import load_config
 
@@ -176,10 +176,10 @@ def _load(args):
 
 
 def run_config(args) -> int:
-    from fastgrpo.config import all_keys
+    from fastgrpo.config_keys import format_key_table
 
     if args.keys:
-        print("\n".join(all_keys()))
+        print(format_key_table())
         return 0
     print(yaml.safe_dump(_load(args).to_dict(), sort_keys=False), end="")
     return 0
@@ -227,6 +227,28 @@ def run_train(args) -> int:
     return 128 + result.stop_signal if result.interrupted else 0
 
 
+# eval's flags -> the config key whose range each one has
+EVAL_FLAGS = {
+    "num": "eval.num_problems",
+    "temperature": "eval.temperature",
+    "top_k": "rollout.top_k",
+    "top_p": "rollout.top_p",
+    "max_new_tokens": "eval.max_new_tokens",
+}
+
+
+def _check_eval_flags(args) -> None:
+    from fastgrpo.config import RANGES, ConfigError, describe_range, in_range
+
+    for name, key in EVAL_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and not in_range(value, RANGES[key]):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is {value}; it must be {describe_range(RANGES[key])} (as {key})."
+            )
+
+
 def run_eval(args) -> int:
     from fastgrpo.models import stop_token_ids
     from fastgrpo.rewards import RewardSet
@@ -234,6 +256,7 @@ def run_eval(args) -> int:
     from fastgrpo.train.evaluate import evaluate
     from fastgrpo.train.trainer import build_task_data, load_configured_model
 
+    _check_eval_flags(args)
     name = args.model
     checkpoint = None
     if name and Path(name).is_dir():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -18,19 +19,21 @@ from typing import Any
 
 import yaml
 
+from fastgrpo.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A configuration problem; the message says what to change."""
 
 
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m-instruct"  # built-in name, hub id, local HF directory or .gguf file
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16 on GPUs, fp32 on CPUs) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    gradient_checkpointing: bool = False
-    revision: str | None = None
-    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward to save memory
+    revision: str | None = None  # hub branch, tag or commit of model.name (None: the default)
+    trust_remote_code: bool = False  # let transformers run the model repository's own code
     backend: str = "auto"  # auto (native for the Llama family, else transformers) | native | hf
 
 
@@ -38,95 +41,101 @@ class ModelConfig:
 class TaskConfig:
     name: str = "arithmetic"  # arithmetic | gsm8k | jsonl | parquet | hf
     path: str | None = None  # file, directory or `datasets` id (not used by arithmetic)
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    train_split: str = "train"
-    eval_split: str = "test"
-    num_train: int | None = None
-    num_eval: int | None = None
-    prompt_template: str | None = None  # None: the task's own template
-    system_prompt: str | None = None  # None: whatever the chat template adds by itself
-    seed: int = 0
+    prompt_field: str = "prompt"  # the records' field holding the prompt
+    answer_field: str = "answer"  # the records' field holding the reference answer
+    train_split: str = "train"  # file name (without suffix) or hub split of the training data
+    eval_split: str = "test"  # file name (without suffix) or hub split of the held-out data
+    num_train: int | None = None  # training problems to use (None: all)
+    num_eval: int | None = None  # held-out problems to keep (None: the task's default)
+    prompt_template: str | None = None  # prompt format: {prompt}, {field} (None: the task's)
+    system_prompt: str | None = None  # system message (None: what the chat template adds itself)
+    seed: int = 0  # seed of the problems drawn and of the splits carved
     # arithmetic only
-    min_value: int = 0
-    max_value: int = 20
-    num_operands: int = 2
-    operations: str = "+-"
+    min_value: int = 0  # arithmetic: smallest operand
+    max_value: int = 20  # arithmetic: largest operand
+    num_operands: int = 2  # arithmetic: numbers in each expression
+    operations: str = "+-"  # arithmetic: operators to draw from, any of + - *
 
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 4
+    prompts_per_step: int = 4  # prompts sampled per training step
     num_generations: int = 8  # G samples per prompt (TRL: num_generations)
-    max_new_tokens: int = 16  # TRL: max_completion_length
-    temperature: float = 0.7
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    max_new_tokens: int = 16  # longest completion in tokens (TRL: max_completion_length)
+    temperature: float = 0.7  # sampling temperature of the rollouts
+    top_k: int = 0  # sample among the k likeliest tokens (0: off)
+    top_p: float = 1.0  # nucleus sampling mass (1: off)
 
 
 @dataclass
 class AlgoConfig:
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo | bnpo | gspo | cispo
     beta: float = 0.0  # KL coefficient; 0 loads no reference model
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    epsilon_low: float = 0.2  # TRL: epsilon
-    epsilon_high: float | None = None  # None: same as epsilon_low
+    kl_estimator: str = "k3"  # k1 | k2 | k3: estimator of the KL to the reference
+    epsilon_low: float = 0.2  # lower clip of the ratio, 1 - epsilon_low (TRL: epsilon)
+    epsilon_high: float | None = None  # upper clip, 1 + epsilon_high (None: epsilon_low)
     delta: float | None = None  # two-sided clip of the ratio (None: off)
-    importance_sampling_level: str = "token"  # token | sequence
-    scale_rewards: str = "group"  # group | batch | none
-    baseline: str = "mean"  # mean | leave_one_out
-    entropy_coef: float = 0.0
-    mask_truncated_completions: bool = False
+    importance_sampling_level: str = "token"  # token | sequence (GSPO): where the ratio is taken
+    scale_rewards: str = "group"  # group | batch | none: whose std divides the advantages
+    baseline: str = "mean"  # mean | leave_one_out: what is subtracted from a reward
+    entropy_coef: float = 0.0  # weight of the entropy bonus in the loss
+    mask_truncated_completions: bool = False  # cut-off completions get no gradient
     importance_sampling_correction: bool = False  # truncated IS for rollout/trainer mismatch
-    importance_sampling_cap: float = 2.0
+    importance_sampling_cap: float = 2.0  # cap of that importance weight
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
-    learning_rate: float = 1e-5
+    steps: int = 30  # GRPO steps of the run
+    learning_rate: float = 1e-5  # AdamW's peak learning rate
     lr_scheduler: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0  # 0: no clipping
+    warmup_steps: int = 0  # optimizer steps of linear warm-up
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay (matrices only)
+    adam_beta1: float = 0.9  # AdamW's decay rate of the gradient mean
+    adam_beta2: float = 0.99  # AdamW's decay rate of the squared-gradient mean
+    adam_eps: float = 1e-8  # AdamW's denominator floor
+    max_grad_norm: float = 1.0  # clip the gradient norm to this (0: no clipping)
     num_iterations: int = 1  # K inner epochs over each rollout batch
     mini_batches: int = 1  # optimizer steps per inner epoch
     # token budget of one forward/backward (the native model: tokens fed, each shared prompt once;
     # transformers models: padded rows); fewer, larger micro-batches cost less host time per step
     # (benchmarks/HISTORY.md, issue 5); lower it for larger models or longer completions
-    micro_batch_tokens: int = 12288
+    micro_batch_tokens: int = 12288  # tokens per forward/backward pass
     fused_lm_head: str = "auto"  # auto (Triton on CUDA) | on | off: fused LM-head loss kernels
     # auto | fp32: AdamW steps fp32 masters of bf16 weights, fp32 moments (the bf16 weights are
     # refreshed from them after each step); off: AdamW updates bf16 weights in place, which
     # rounds updates below half a bf16 ulp away (most of them at lr 1e-5)
-    master_weights: str = "auto"
+    master_weights: str = "auto"  # auto | fp32 | off: fp32 master weights of bf16 weights
     # stochastic | nearest: how the bf16 weights are rounded from the fp32 masters after a step
     # (stochastic: unbiased, so updates below half an ulp still reach the weights the rollout
     # and the loss use; it learned more in benchmarks/results/bf16_rounding_ab_h200.txt)
-    bf16_rounding: str = "stochastic"
-    seed: int = 0
+    bf16_rounding: str = "stochastic"  # stochastic | nearest: rounding of bf16 weights
+    seed: int = 0  # seed of the prompt order and of the sampling
+    # a step whose loss or gradient norm is NaN/inf is skipped; this many in a row stop the run
+    max_nonfinite_steps: int = 3  # stop after this many skipped (NaN/inf) steps in a row
+    # a reward failing (raising, or giving NaN/None) on more than this fraction of a step's
+    # completions for max_failing_reward_steps steps in a row stops the run
+    max_reward_failure_frac: float = 0.5  # stop when a reward fails on more of the completions
+    max_failing_reward_steps: int = 3  # steps in a row a reward may fail that often
 
 
 @dataclass
 class EvalConfig:
-    num_problems: int = 100  # first N of the task's eval split
-    temperature: float = 0.0  # 0: greedy
-    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
-    batch_size: int = 64
+    num_problems: int = 100  # evaluate on the first N of the task's eval split
+    temperature: float = 0.0  # sampling temperature of evaluations (0: greedy)
+    max_new_tokens: int | None = None  # longest completion (None: rollout.max_new_tokens)
+    batch_size: int = 64  # problems per generation batch
     before: bool = True  # evaluate before training
     after: bool = True  # evaluate after training
-    every_steps: int = 0  # 0: only before/after
+    every_steps: int = 0  # evaluate every N steps as well (0: only before/after)
 
 
 @dataclass
 class RunConfig:
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/default"  # the run folder: config, metrics, checkpoints
     save_every: int = 10  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 2
-    progress: bool = True
+    keep_checkpoints: int = 2  # newest checkpoints kept (each holds weights and optimizer state)
+    progress: bool = True  # show a progress bar
     profile_steps: int = 0  # N: trace N steps (after the first) into <output_dir>/profile/
 
 
@@ -144,7 +153,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     # each: a built-in name or "module:function", or {name|function: ..., weight: float}
-    rewards: list[Any] = field(default_factory=_default_rewards)
+    rewards: list[Any] = field(default_factory=_default_rewards)  # reward functions, summed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,7 +188,9 @@ def read_yaml(path: str | Path) -> dict:
             hint = f" Presets in ./configs: {', '.join(presets)}."
         raise ConfigError(f"config file not found: {path}.{hint}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text ({error}); re-save it as UTF-8") from error
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):
@@ -279,13 +290,18 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `5e-5` (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `5e-5` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and not math.isfinite(number):
+            raise ConfigError(f"'{key}' is {number}; give a finite number.")
+        if number is not None:
+            return number
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -319,46 +335,87 @@ _CHOICES = {
     "train.bf16_rounding": ("stochastic", "nearest"),
 }
 
-# key -> (lowest allowed, inclusive?)
-_LOWER_BOUNDS = {
-    "rollout.prompts_per_step": (1, True),
-    "rollout.num_generations": (2, True),
-    "rollout.max_new_tokens": (1, True),
-    "rollout.temperature": (0.0, False),
-    "rollout.top_k": (0, True),
-    "rollout.top_p": (0.0, False),
-    "algo.beta": (0.0, True),
-    "algo.epsilon_low": (0.0, True),
-    "algo.epsilon_high": (0.0, True),
-    "algo.delta": (1.0, False),
-    "algo.entropy_coef": (0.0, True),
-    "algo.importance_sampling_cap": (1.0, True),
-    "train.steps": (0, True),
-    "train.learning_rate": (0.0, True),
-    "train.warmup_steps": (0, True),
-    "train.weight_decay": (0.0, True),
-    "train.adam_eps": (0.0, False),
-    "train.max_grad_norm": (0.0, True),
-    "train.num_iterations": (1, True),
-    "train.mini_batches": (1, True),
-    "train.micro_batch_tokens": (1, True),
-    "task.num_train": (1, True),
-    "task.num_eval": (1, True),
-    "eval.num_problems": (0, True),
-    "eval.temperature": (0.0, True),
-    "eval.max_new_tokens": (1, True),
-    "eval.batch_size": (1, True),
-    "eval.every_steps": (0, True),
-    "run.save_every": (0, True),
-    "run.keep_checkpoints": (1, True),
-    "run.profile_steps": (0, True),
+# The allowed range of every numeric key: "[" or "]" includes a bound, "(" or ")" excludes it.
+# A value outside trains nothing useful (lr 10 destroys the model in a step) or crashes later.
+RANGES = {
+    "task.num_train": "[1, inf)",
+    "task.num_eval": "[1, inf)",
+    "task.seed": "[0, inf)",
+    "task.min_value": "[-1000000000, 1000000000]",
+    "task.max_value": "[-1000000000, 1000000000]",
+    "task.num_operands": "[2, 16]",
+    "rollout.prompts_per_step": "[1, inf)",
+    "rollout.num_generations": "[2, inf)",
+    "rollout.max_new_tokens": "[1, inf)",
+    "rollout.temperature": "(0, 10]",
+    "rollout.top_k": "[0, inf)",
+    "rollout.top_p": "(0, 1]",
+    "algo.beta": "[0, 10]",
+    "algo.epsilon_low": "[0, 1]",
+    "algo.epsilon_high": "[0, 100]",
+    "algo.delta": "(1, 100]",
+    "algo.entropy_coef": "[0, 1]",
+    "algo.importance_sampling_cap": "[1, 100]",
+    "train.steps": "[0, inf)",
+    "train.learning_rate": "[0, 1]",  # 0 is a dry run: every phase, no change to the weights
+    "train.warmup_steps": "[0, inf)",
+    "train.weight_decay": "[0, 1]",
+    "train.adam_beta1": "[0, 1)",
+    "train.adam_beta2": "[0, 1)",
+    "train.adam_eps": "(0, 1]",
+    "train.max_grad_norm": "[0, inf)",
+    "train.num_iterations": "[1, inf)",
+    "train.mini_batches": "[1, inf)",
+    "train.micro_batch_tokens": "[1, inf)",
+    "train.seed": "[0, inf)",
+    "train.max_nonfinite_steps": "[1, inf)",
+    "train.max_reward_failure_frac": "[0, 1]",
+    "train.max_failing_reward_steps": "[1, inf)",
+    "eval.num_problems": "[0, inf)",
+    "eval.temperature": "[0, 10]",
+    "eval.max_new_tokens": "[1, inf)",
+    "eval.batch_size": "[1, inf)",
+    "eval.every_steps": "[0, inf)",
+    "run.save_every": "[0, inf)",
+    "run.keep_checkpoints": "[1, inf)",
+    "run.profile_steps": "[0, inf)",
 }
 
 # key -> what the value means, added to its range error
 _BOUND_HINTS = {
     "rollout.num_generations": "GRPO compares samples within a group",
     "run.profile_steps": "set 0 for no profiling, or N to record N steps with torch.profiler",
+    "train.max_grad_norm": "0 turns clipping off",
+    "train.max_reward_failure_frac": "1 never stops the run for a failing reward",
 }
+
+
+def in_range(value: float, interval: str) -> bool:
+    """Whether `value` lies in `interval`, written like "[0, 1)"."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value >= low if interval[0] == "[" else value > low
+    below = value <= high if interval[-1] == "]" else value < high
+    return above and below
+
+
+def _check_range(config: Config, key: str, interval: str) -> None:
+    value = _get(config, key)
+    if value is None or in_range(value, interval):
+        return
+    extra = f" ({_BOUND_HINTS[key]})" if key in _BOUND_HINTS else ""
+    default = _get(Config(), key)
+    raise ConfigError(
+        f"'{key}' is {value}; it must be {describe_range(interval)}{extra}; "
+        f"the default is {default}."
+    )
+
+
+def describe_range(interval: str) -> str:
+    """ "[0, inf)" -> ">= 0", "(0, 1]" -> "in (0, 1]"."""
+    low = interval[1:-1].split(",")[0]
+    if interval.endswith("inf)"):
+        return f"{'>=' if interval[0] == '[' else '>'} {low}"
+    return f"in {interval}"
 
 
 def _get(config: Config, key: str) -> Any:
@@ -373,17 +430,8 @@ def validate(config: Config) -> None:
             close = difflib.get_close_matches(str(value), choices, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"'{key}' is {value!r}; choose one of {', '.join(choices)}.{hint}")
-    for key, (low, inclusive) in _LOWER_BOUNDS.items():
-        value = _get(config, key)
-        if value is None:
-            continue
-        if value < low or (value == low and not inclusive):
-            relation = ">=" if inclusive else ">"
-            extra = f" ({_BOUND_HINTS[key]})" if key in _BOUND_HINTS else ""
-            raise ConfigError(f"'{key}' is {value}; it must be {relation} {low}{extra}.")
-    for key in ("rollout.top_p", "algo.epsilon_low"):
-        if _get(config, key) > 1.0:
-            raise ConfigError(f"'{key}' is {_get(config, key)}; it must be <= 1.")
+    for key, interval in RANGES.items():
+        _check_range(config, key, interval)
     _validate_batches(config)
     if config.task.name in ("jsonl", "parquet", "hf") and not config.task.path:
         raise ConfigError(

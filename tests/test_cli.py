@@ -28,6 +28,30 @@ def test_console_script_module_runs():
     assert out.returncode == 0 and out.stdout.startswith("fastgrpo ")
 
 
+@pytest.mark.parametrize(
+    "command", [["--help"], ["config", "--keys"], ["config", "--set", "train.steps=3"]]
+)
+def test_help_and_config_commands_do_not_import_torch(command):
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fastgrpo", *command],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert "fastgrpo.cli" in imported  # the import log is there to read
+    assert not {"torch", "transformers"} & imported
+
+
+def test_config_keys_lists_type_default_and_meaning(capsys):
+    assert main(["config", "--keys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["key", "type", "default", "meaning"]
+    row = next(line for line in lines if line.startswith("train.learning_rate "))
+    assert row.split()[:3] == ["train.learning_rate", "float", "1e-05"]
+    assert "learning rate" in row
+
+
 def _error_of(args, capsys) -> str:
     assert main(args) == 2
     return capsys.readouterr().err
@@ -103,3 +127,41 @@ def test_unknown_reward_and_impossible_task_knobs_are_config_errors(tmp_path, ca
         ["train", "--set", "task.max_value=2", "--set", f"run.output_dir={tmp_path / 'b'}"], capsys
     )
     assert "task:" in err and "max_value" in err
+
+
+def _one_line_error(args, capsys) -> str:
+    err = _error_of(args, capsys)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("train.adam_beta1=1.5", "'train.adam_beta1' is 1.5"),
+        ("train.learning_rate=10", "'train.learning_rate' is 10.0"),
+        ("task.num_operands=0", "'task.num_operands' is 0"),
+    ],
+)
+def test_out_of_range_values_stop_train_with_one_line(override, names, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    err = _one_line_error(
+        ["train", "--set", override, "--set", f"run.output_dir={run_dir}"], capsys
+    )
+    assert names in err and "the default is" in err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--top-p", "5", "--top-p is 5.0; it must be in (0, 1]"),
+        ("--temperature", "-1", "--temperature is -1.0; it must be in [0, 10]"),
+        ("--top-k", "-3", "--top-k is -3; it must be >= 0"),
+        ("--num", "-1", "--num is -1; it must be >= 0"),
+        ("--max-new-tokens", "0", "--max-new-tokens is 0; it must be >= 1"),
+    ],
+)
+def test_eval_flags_outside_their_range_are_one_line_errors(flag, value, message, capsys):
+    err = _one_line_error(["eval", "--model", "nowhere", flag, value], capsys)
+    assert message in err

@@ -47,8 +47,8 @@ def test_a_key_given_without_its_section_is_pointed_at_the_right_section():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.temperature=0", "must be > 0.0"),
-        ("rollout.top_p=1.5", "must be <= 1"),
+        ("rollout.temperature=0", r"must be in \(0, 10\]"),
+        ("rollout.top_p=1.5", r"must be in \(0, 1\]"),
         ("train.steps=-1", "must be >= 0"),
         ("train.steps=1.5", "must be int"),
         ("algo.beta=true", "must be float"),
@@ -72,6 +72,10 @@ def test_missing_or_malformed_config_files_are_reported(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("task:\n  system_prompt: café\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin.yaml is not UTF-8 text"):
+        load_config(latin)
 
 
 def test_all_keys_lists_every_section_field():
@@ -94,3 +98,49 @@ def test_master_weights_takes_yaml_off_and_names_its_choices_for_anything_else()
     for bad in ("on", "bf16", "true"):
         with pytest.raises(ConfigError, match="choose one of auto, fp32, off"):
             load_config(overrides=[f"train.master_weights={bad}"])
+
+
+NUMERIC = (int, float, "int | None", "float | None", "int", "float")
+
+
+def test_every_numeric_key_has_a_checked_range_that_holds_its_default():
+    from fastgrpo.config import RANGES, in_range
+    from fastgrpo.config_keys import key_table
+
+    numeric = [key for key, kind, _, _ in key_table() if kind in NUMERIC]
+    assert sorted(numeric) == sorted(RANGES)
+    for key in numeric:
+        section, name = key.split(".")
+        default = getattr(getattr(Config(), section), name)
+        assert default is None or in_range(default, RANGES[key]), key
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.learning_rate=10", r"'train.learning_rate' is 10.0; it must be in \[0, 1\]"),
+        ("train.adam_beta1=1.5", r"'train.adam_beta1' is 1.5; it must be in \[0, 1\)"),
+        ("train.adam_beta2=1", r"'train.adam_beta2' is 1.0; it must be in \[0, 1\)"),
+        ("task.num_operands=0", r"'task.num_operands' is 0; it must be in \[2, 16\]"),
+        ("algo.epsilon_low=2", r"'algo.epsilon_low' is 2.0; it must be in \[0, 1\]"),
+        ("eval.temperature=-1", r"'eval.temperature' is -1.0; it must be in \[0, 10\]"),
+        ("train.learning_rate=.nan", "'train.learning_rate' is nan; give a finite number"),
+        ("train.max_grad_norm=.inf", "'train.max_grad_norm' is inf; give a finite number"),
+        ("train.max_nonfinite_steps=0", "'train.max_nonfinite_steps' is 0; it must be >= 1"),
+    ],
+)
+def test_values_outside_their_range_are_refused_with_the_range_and_the_default(override, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config(None, [override])
+    assert "the default is" in str(error.value) or "finite" in str(error.value)
+
+
+def test_key_table_gives_every_key_a_type_a_default_and_a_meaning():
+    from fastgrpo.config_keys import key_table
+
+    rows = {key: rest for key, *rest in key_table()}
+    assert list(rows) == all_keys()
+    assert rows["train.learning_rate"][:2] == ["float", "1e-05"]
+    assert "learning rate" in rows["train.learning_rate"][2]
+    assert rows["rollout.num_generations"][:2] == ["int", "8"]
+    assert all(meaning for _, _, meaning in rows.values())

@@ -45,6 +45,8 @@ def arithmetic_task(
     problem's answer is >= 0. `prompt_template` must contain "{expression}".
     num_train=None takes every problem the eval split leaves, up to DEFAULT_NUM_TRAIN.
     """
+    # the knobs are checked before they size the problem space (num_operands=0 broke that)
+    _validate_knobs(num_train or 0, num_eval, min_value, max_value, num_operands, operations)
     if num_train is None:
         space = ProblemSpace(min_value, max_value, num_operands, operations, allow_negative)
         room = space.upper_bound - num_eval

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from fastgrpo.data.example import Example, TaskData
+from fastgrpo.errors import UserError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet", ".json")
 # "org/name" or "name", optionally followed by ":config".
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file or record cannot be used; the message says where and how to fix it."""
 
 
@@ -41,7 +42,13 @@ def read_records(path: str | Path) -> list[dict]:
             f"cannot read {path}: unsupported file type {path.suffix!r}; "
             f"supported: {', '.join(SUPPORTED_SUFFIXES)}"
         )
-    return reader(path)
+    records = reader(path)
+    if not records:
+        raise DatasetError(
+            f"{path} holds no records (the file is empty or blank); add at least one, "
+            'e.g. {"prompt": "What is 2+3?", "answer": "5"}'
+        )
+    return records
 
 
 def describe_nearby(path: Path) -> str:
@@ -64,28 +71,42 @@ def describe_nearby(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[dict]:
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DatasetError(
-                    f"{path}:{line_number}: invalid JSON: {error.msg} (column {error.colno})"
-                ) from error
-            if not isinstance(record, dict):
-                raise DatasetError(
-                    f"{path}:{line_number}: expected a JSON object per line, "
-                    f"got {type(record).__name__}"
-                )
-            records.append(record)
+    for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetError(
+                f"{path}:{line_number}: invalid JSON: {error.msg} (column {error.colno})"
+            ) from error
+        if not isinstance(record, dict):
+            raise DatasetError(
+                f"{path}:{line_number}: expected a JSON object per line, "
+                f"got {type(record).__name__}"
+            )
+        records.append(record)
     return records
+
+
+def _read_text(path: Path) -> str:
+    """A data file's text; one that is not UTF-8 is refused with the line and byte at fault."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise DatasetError(
+            f"{path}:{line_number}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+            f"{column}); re-save the file as UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
+        ) from error
 
 
 def _read_json(path: Path) -> list[dict]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as error:
         raise DatasetError(
             f"{path}:{error.lineno}: invalid JSON: {error.msg} (column {error.colno})"
@@ -106,7 +127,15 @@ def _read_parquet(path: Path) -> list[dict]:
     except ImportError:
         parquet = None
     if parquet is not None:
-        return parquet.read_table(path).to_pylist()
+        import pyarrow
+
+        try:
+            return parquet.read_table(path).to_pylist()
+        except (pyarrow.ArrowException, OSError) as error:
+            raise DatasetError(
+                f"{path} is not a readable Parquet file ({error}); re-write it, e.g. with "
+                "pandas.DataFrame.to_parquet"
+            ) from error
     try:
         import pandas
     except ImportError as error:

@@ -11,11 +11,18 @@ from fastgrpo.models.attention import PackedCausalAttention, SharedKeys, causal_
 from fastgrpo.models.loading import load_model, stop_token_ids
 from fastgrpo.models.model_config import ModelConfig, UnsupportedModelError, is_supported
 from fastgrpo.models.native_io import load_native_model, save_native_model
-from fastgrpo.models.sources import ModelNotFoundError, resolve_device, resolve_dtype, resolve_model
+from fastgrpo.models.sources import (
+    ModelFileError,
+    ModelNotFoundError,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from fastgrpo.models.transformer import Transformer
 
 __all__ = [
     "ModelConfig",
+    "ModelFileError",
     "ModelNotFoundError",
     "PackedCausalAttention",
     "SharedKeys",

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 
-from fastgrpo.models.native_io import load_native_model
+from fastgrpo.models.native_io import check_finite_weights, damaged_file_error, load_native_model
 from fastgrpo.models.sources import (
     BACKENDS,
+    ModelFileError,
     ModelNotFoundError,
     ModelSource,
     resolve_device,
@@ -75,12 +76,28 @@ def load_model(
     source = resolve_model(name, revision)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    from safetensors import SafetensorError
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=torch_dtype, revision=revision, trust_remote_code=trust_remote_code
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.path,
+            dtype=torch_dtype,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
+    except SafetensorError as error:
+        raise damaged_file_error(source.description, error) from error
     except OSError as error:
         raise ModelNotFoundError(f"could not load {source.description}: {error}") from error
+    missing = sorted(info["missing_keys"])  # transformers would train them from random values
+    if missing:
+        raise ModelFileError(
+            f"{source.description}: the weights do not match its config.json ({len(missing)} "
+            f"tensor(s) missing, e.g. {missing[0]}); the files come from different models or a "
+            "damaged download: copy the model folder again"
+        )
+    check_finite_weights(model.state_dict().items(), source.description)
     tokenizer = load_tokenizer(source, revision, trust_remote_code)
     model.to(torch_device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

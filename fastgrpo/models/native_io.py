@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.models.sources import (
+    ModelFileError,
     ModelNotFoundError,
     resolve_device,
     resolve_dtype,
@@ -42,9 +43,15 @@ def load_native_model(
     torch_dtype = resolve_dtype(dtype, torch_device) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         model = Transformer(config)
-    model.load_state_dict(
-        read_state_dict(directory, torch_dtype, torch_device), strict=True, assign=True
-    )
+    state = read_state_dict(directory, torch_dtype, torch_device)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:  # missing, extra or mis-shaped tensors
+        detail = " ".join(str(error).split())[:300]
+        raise ModelFileError(
+            f"{directory}: the weights do not match its config.json ({detail}); the files come "
+            "from different models or a damaged download: copy the model folder again"
+        ) from error
     model.source_dir = directory
     model.eos_token_ids = generation_eos_ids(directory)
     if torch_device.type == "cuda":  # one GEMM for q/k/v and for gate/up in rollouts
@@ -118,16 +125,46 @@ def weight_files(directory: str | Path) -> list[Path]:
 
 
 def read_state_dict(directory, dtype: torch.dtype, device: torch.device) -> dict:
-    """Every tensor of the checkpoint on `device`, the floating-point ones cast to `dtype`."""
-    from safetensors import safe_open
+    """Every tensor of the checkpoint on `device`, the floating-point ones cast to `dtype`; a
+    damaged file or a NaN/inf weight is a ModelFileError naming the file or the tensor."""
+    from safetensors import SafetensorError, safe_open
 
     state = {}
     for file in weight_files(directory):
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for key in shard.keys():
-                tensor = shard.get_tensor(key)
-                state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as shard:
+                for key in shard.keys():
+                    tensor = shard.get_tensor(key)
+                    state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        except (SafetensorError, OSError) as error:
+            raise damaged_file_error(file, error) from error
+    check_finite_weights(state.items(), directory)
     return state
+
+
+def damaged_file_error(file: str | Path, error: Exception) -> ModelFileError:
+    return ModelFileError(
+        f"{file}: cannot read the safetensors weights ({error}); the file is truncated or "
+        "damaged: download or copy the model again, or use an earlier checkpoint"
+    )
+
+
+@torch.no_grad()
+def check_finite_weights(named_tensors, where: str | Path) -> None:
+    """Refuse weights holding NaN or inf (training them gives NaN, and saves it again); one
+    host sync for all the tensors, another only to name the first bad one."""
+    floats = [(name, t) for name, t in named_tensors if t.is_floating_point() and t.numel()]
+    if not floats:
+        return
+    bad = torch.stack([~torch.isfinite(t).all() for _, t in floats])
+    if not bad.any():
+        return
+    name, tensor = floats[int(bad.nonzero()[0])]
+    count = int((~torch.isfinite(tensor)).sum())
+    raise ModelFileError(
+        f"{where}: tensor '{name}' holds {count} NaN/inf value(s) of {tensor.numel()}; these "
+        "weights are damaged (a diverged run?): load an earlier checkpoint or the original model"
+    )
 
 
 def save_safetensors(model: Transformer, directory: str | Path) -> Path:

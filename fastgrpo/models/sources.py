@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from fastgrpo import switches
+from fastgrpo.config import ConfigError
+from fastgrpo.errors import UserError
 
 log = logging.getLogger("fastgrpo.models")
 
@@ -38,8 +40,12 @@ BACKENDS = ("auto", "native", "hf")
 BUILTIN_ALIASES = {"default": "smollm2-135m-instruct", "smollm2": "smollm2-135m-instruct"}
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(UserError):
     """The model name is neither a built-in, a local path, nor a plausible hub id."""
+
+
+class ModelFileError(UserError):
+    """A model's weight file is damaged: truncated, garbled, or holding NaN/inf values."""
 
 
 def cache_dir() -> Path:
@@ -199,8 +205,13 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise ConfigError(
             f"model.device={name} but no CUDA GPU is visible; use model.device=cpu or auto."
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(
+            f"model.device={name} but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
+            f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); choose one of them, or auto."
         )
     return device
 

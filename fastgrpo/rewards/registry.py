@@ -142,6 +142,7 @@ class RewardResult:
     total: list[float]
     per_reward: dict[str, list[float]] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # each failing reward's error, as text
 
 
 @dataclass(frozen=True)
@@ -208,9 +209,11 @@ class RewardSet:
         total = [0.0] * len(completions)
         result = RewardResult(total=total)
         for term in self._terms:
-            values, failures = self._score(term, prompts, completions, columns)
+            values, failures, error = self._score(term, prompts, completions, columns)
             result.per_reward[term.name] = values
             result.failures[term.name] = failures
+            if error is not None:
+                result.errors[term.name] = f"{type(error).__name__}: {error}"
             for index, value in enumerate(values):
                 total[index] += term.weight * value
         return result
@@ -221,23 +224,24 @@ class RewardSet:
         prompts: Sequence[Any],
         completions: Sequence[Any],
         columns: dict[str, Sequence[Any]],
-    ) -> tuple[list[float], int]:
-        """One reward's sanitized values and how many of them had to be replaced by 0."""
+    ) -> tuple[list[float], int, Exception | None]:
+        """One reward's sanitized values, how many of them had to be replaced by 0, and why."""
         count = len(completions)
         try:
             raw = term.function(prompts=prompts, completions=completions, **columns)
         except Exception as error:
             self._record_failure(term.name, count, count, error, show_traceback=True)
-            return [0.0] * count, count
+            return [0.0] * count, count, error
         try:
             values, bad_values = _sanitize(raw, count)
         except Exception as error:
             self._record_failure(term.name, count, count, error, show_traceback=False)
-            return [0.0] * count, count
+            return [0.0] * count, count, error
+        problem = None
         if bad_values:
             problem = _BadRewardOutput(f"returned {bad_values} None/NaN/inf/non-numeric value(s)")
             self._record_failure(term.name, bad_values, count, problem, show_traceback=False)
-        return values, bad_values
+        return values, bad_values, problem
 
     def _record_failure(
         self, name: str, bad: int, count: int, error: Exception, show_traceback: bool

@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from fastgrpo.config import ConfigError
+from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer, save_native_model
 
 STATE_FILE = "trainer_state.pt"
@@ -39,8 +40,9 @@ STATE_FORMAT = 2  # 2: loads with weights_only=True; files without the key need 
 _SLACK_BYTES = 16 * 2**20  # tokenizer, config and file-format overhead beside the tensors
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; the message says why and what is still intact."""
+class CheckpointError(RunStopped):
+    """A checkpoint could not be written; the message says why and what is still intact (the
+    disk, not the user's input: the CLI exits 1)."""
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
@@ -235,3 +237,9 @@ def load_trainer_state(checkpoint: Path, *, trust: bool = False) -> dict:
             f"{path} cannot be read ({_reason(error, checkpoint, 0)}); move {checkpoint} aside "
             f"to resume from the checkpoint before it."
         ) from None
+
+
+def checkpoint_size(path: str | Path) -> str:
+    """The size of a checkpoint folder on disk, for the run log ("1.55 GB")."""
+    total = sum(file.stat().st_size for file in Path(path).rglob("*") if file.is_file())
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"

@@ -19,11 +19,13 @@ import yaml
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
+from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
 from fastgrpo.train.batching import plan_update
 from fastgrpo.train.checkpoint import (
+    checkpoint_size,
     checkpoint_step,
     latest_checkpoint,
     load_trainer_state,
@@ -32,6 +34,7 @@ from fastgrpo.train.checkpoint import (
     set_rng_state,
 )
 from fastgrpo.train.evaluate import evaluate
+from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, peak_memory_gib, read_records
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.resume import (
@@ -46,6 +49,7 @@ from fastgrpo.train.trainer import (
     build_rewards,
     build_task_data,
     build_trainer,
+    check_enough_prompts,
     check_fused_lm_head,
     load_configured_model,
 )
@@ -158,6 +162,7 @@ def _train(
 ) -> TrainResult:
     torch.manual_seed(config.train.seed)
     task = build_task_data(config)
+    check_enough_prompts(config, task)
     rewards = build_rewards(config)
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
     model, tokenizer, _ = load_configured_model(config, model_name)
@@ -195,6 +200,13 @@ def _train(
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
         result.eval_before = metrics.find(kind="eval", when="before")
+    guard = RunGuard(
+        max_nonfinite_steps=config.train.max_nonfinite_steps,
+        max_reward_failure_frac=config.train.max_reward_failure_frac,
+        max_failing_reward_steps=config.train.max_failing_reward_steps,
+        completions_per_step=config.rollout.prompts_per_step * config.rollout.num_generations,
+        last_checkpoint=lambda: latest_checkpoint(run_dir),
+    )
     stop.during_steps = True
     try:
         while step < config.train.steps and not stop.requested:
@@ -207,6 +219,7 @@ def _train(
             record["step"] = step
             metrics.log(record)
             result.history.append(record)
+            guard.check(record)  # before this step's checkpoint
             if (
                 config.eval.every_steps
                 and step % config.eval.every_steps == 0
@@ -232,6 +245,10 @@ def _train(
                     config=config.to_dict(),
                     keep=config.run.keep_checkpoints,
                 )
+                metrics.write(
+                    f"checkpoint: saved {where} ({checkpoint_size(where)}; the newest "
+                    f"run.keep_checkpoints={config.run.keep_checkpoints} are kept)"
+                )
                 if stop.requested:
                     metrics.write(
                         f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
@@ -241,6 +258,10 @@ def _train(
         interrupt.detail = f"aborted at step {step}; " + (
             f"the latest checkpoint is {saved}" if saved else "no checkpoint was saved"
         )
+        raise
+    except RunStopped:
+        metrics.close()
+        release_engine(model)
         raise
     finally:
         stop.during_steps = False
@@ -274,18 +295,19 @@ def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: Metric
         if not problems:
             return None
         start = time.perf_counter()
-        scores = evaluate(
-            trainer.model,
-            trainer.tokenizer,
-            problems,
-            rewards=trainer.rewards,
-            stop_ids=trainer.stop_ids,
-            system_prompt=config.task.system_prompt,
-            temperature=config.eval.temperature,
-            max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
-            batch_size=config.eval.batch_size,
-            seed=config.train.seed,
-        )
+        with metrics.paused():  # the progress bar's ETA counts training steps only
+            scores = evaluate(
+                trainer.model,
+                trainer.tokenizer,
+                problems,
+                rewards=trainer.rewards,
+                stop_ids=trainer.stop_ids,
+                system_prompt=config.task.system_prompt,
+                temperature=config.eval.temperature,
+                max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
+                batch_size=config.eval.batch_size,
+                seed=config.train.seed,
+            )
         metrics.log(
             {
                 "kind": "eval",
@@ -400,6 +422,7 @@ def step_record(rollout, reward, scores, update: dict, num_generations: int) -> 
         "frac_zero_std_groups": zero_std_fraction(reward, num_generations).item(),
         **{f"rewards/{name}": sum(v) / len(v) for name, v in result.per_reward.items()},
         **{f"reward_failures/{name}": n for name, n in result.failures.items() if n},
+        **{f"reward_errors/{name}": text for name, text in result.errors.items()},
         "completion/mean_length": lengths.mean().item(),
         "completion/min_length": lengths.min().item(),
         "completion/max_length": lengths.max().item(),

@@ -56,26 +56,44 @@ class ModelOptimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self, max_grad_norm: float) -> torch.Tensor | None:
-        """Clip the gradients (max_grad_norm > 0) and step AdamW; the gradient norm before
-        clipping as a 0-d tensor on the device (None when not clipping or nothing had a gradient)."""
+    def step(
+        self, max_grad_norm: float, loss: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Clip the gradients (max_grad_norm > 0) and step AdamW, unless the gradient norm or
+        `loss` is NaN/inf: then the gradients are dropped and nothing changes. Returns the
+        gradient norm before clipping as a 0-d tensor on the device (None when nothing had a
+        gradient) and whether the step was taken (False: skipped as non-finite). In a
+        data-parallel job the gradients are summed over the ranks first, and a step is skipped on
+        every rank when it is non-finite on any."""
         if self.world is not None and not self._sum_gradients_over_ranks():
-            return None
+            return None, True
         if self.masters is not None and not self.masters.load_gradients():
-            return None
+            return None, True
         if self.world is not None and self.masters is not None:
             full = [p.grad for p in self._stepped[len(self.masters.masters) :]]
             self.world.all_reduce_sum_([self.masters.gradient_buffer(), *full])
-        norm = None
-        if max_grad_norm > 0:
-            grads = [p for p in self._stepped if p.grad is not None]
-            if grads:
-                norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
+        grads = [p.grad for p in self._stepped if p.grad is not None]
+        if not grads:
+            self.adamw.step()  # changes nothing; the schedule sees the optimizer stepped
+            return None, True
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        finite = bool(
+            (torch.isfinite(norm) if loss is None else torch.isfinite(norm + loss)).item()
+        )
+        if self.world is not None:  # a rank's own loss may be NaN where the sums are not
+            finite = not self.world.any(not finite, norm.device)
+        if not finite:  # the one host sync of a step: a NaN step must not reach AdamW
+            self.zero_grad()
+            if self.masters is not None:
+                self.masters.release_gradients()
+            return norm, False
+        if max_grad_norm > 0:  # as clip_grad_norm_ does, with the norm computed above
+            torch._foreach_mul_(grads, (max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
         self.adamw.step()
         if self.masters is not None:
             self.masters.refresh()
             self.masters.release_gradients()
-        return norm
+        return norm, True
 
     def _sum_gradients_over_ranks(self) -> bool:
         """Before a data-parallel step: False (every rank skips it) when no rank has a gradient;

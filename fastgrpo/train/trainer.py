@@ -68,6 +68,19 @@ def build_task_data(config: Config) -> TaskData:
         raise ConfigError(f"task: {error}") from error
 
 
+def check_enough_prompts(config: Config, task: TaskData) -> None:
+    """A step samples rollout.prompts_per_step distinct training prompts: refuse fewer."""
+    have, need = len(task.train), config.rollout.prompts_per_step
+    if have >= need:
+        return
+    where = f"task.path={config.task.path}" if config.task.path else f"task.name={config.task.name}"
+    raise ConfigError(
+        f"{where} gives {have} training record(s) but rollout.prompts_per_step={need} needs at "
+        f"least {need} (a single file also gives task.num_eval records, default 10%, to eval): "
+        f"add records or set rollout.prompts_per_step={max(have, 1)}"
+    )
+
+
 def build_rewards(config: Config) -> RewardSet:
     try:
         return RewardSet.from_specs(config.rewards)

@@ -54,6 +54,8 @@ def update_policy(
 ) -> dict:
     """`num_iterations` epochs of one optimizer step per mini-batch; the averaged metrics.
 
+    An optimizer step whose loss or gradient norm is NaN/inf is skipped (the weights and AdamW's
+    state stay as they were) and counted in "skipped_steps".
     `timer` gets the phases update (forward and backward passes) and optimizer (clipping, AdamW,
     the bf16 refresh from the fp32 masters and the schedule, summed over the optimizer steps).
     """
@@ -62,19 +64,27 @@ def update_policy(
     with timer("update"):
         for mini in [mini for _ in range(num_iterations) for mini in plan]:
             optimizer.zero_grad()
-            _accumulate_gradients(model, mini, loss, totals)
+            mini_loss = _accumulate_gradients(model, mini, loss, totals)
             with timer("optimizer"):
-                totals.add_norm(optimizer.step(max_grad_norm))
-                scheduler.step()
+                norm, stepped = optimizer.step(max_grad_norm, mini_loss)
+                totals.add_norm(norm)
+                totals.skipped += not stepped
+                scheduler.step()  # a skipped step keeps the schedule: it is a step of the run
     return totals.read(steps=num_iterations * len(plan), plan=plan)
 
 
-def _accumulate_gradients(model, mini: MiniBatch, loss: MicroBatchLoss, totals: _Totals) -> None:
+def _accumulate_gradients(
+    model, mini: MiniBatch, loss: MicroBatchLoss, totals: _Totals
+) -> torch.Tensor:
+    """The micro-batches' backward passes; the mini-batch's loss (0-d, on the device)."""
+    total = torch.zeros((), device=totals.weight.device)
     for mb in mini.micro:
         value, metrics = loss(model, mb, mini.num_sequences, mini.num_tokens)
         if value.requires_grad:  # False when every token is masked (all truncated)
             value.backward()
         totals.add(value, metrics, mb)
+        total += value.detach().float()
+    return total
 
 
 class _Totals:
@@ -86,6 +96,7 @@ class _Totals:
         self.weight = torch.zeros((), device=device)
         self.loss = torch.zeros((), device=device)  # = sum of the optimizer steps' losses
         self.norms: list[torch.Tensor] = []
+        self.skipped = 0  # optimizer steps skipped because the loss or gradient was NaN/inf
 
     def add(self, loss: torch.Tensor, metrics: dict, mb: MicroBatch) -> None:
         self.loss += loss.detach().float()
@@ -111,4 +122,5 @@ class _Totals:
         rows = sum(mini.rows for mini in plan)
         active = sum(mb.advantages.numel() for mini in plan for mb in mini.micro)
         out["active_rows_frac"] = active / rows
+        out["skipped_steps"] = self.skipped
         return out

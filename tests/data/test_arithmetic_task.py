@@ -135,9 +135,10 @@ def test_min_value_above_max_value_is_rejected():
         arithmetic_task(min_value=10, max_value=5)
 
 
-def test_fewer_than_two_operands_is_rejected():
+@pytest.mark.parametrize("num_operands", [1, 0, -3])
+def test_fewer_than_two_operands_is_rejected(num_operands):
     with pytest.raises(ValueError, match="num_operands must be >= 2"):
-        arithmetic_task(num_operands=1)
+        arithmetic_task(num_operands=num_operands)
 
 
 def test_unknown_operator_is_rejected():
