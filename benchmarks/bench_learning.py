@@ -35,6 +35,7 @@ from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.models.loading import load_tokenizer
 from fastgrpo.models.sources import resolve_device, resolve_dtype, resolve_model
 from fastgrpo.rewards import RewardSet, math_accuracy
+from fastgrpo.rollout import release_engine
 from fastgrpo.train import run_training
 from fastgrpo.train.checkpoint import latest_checkpoint, load_trainer_state
 from fastgrpo.train.evaluate import evaluate
@@ -94,6 +95,7 @@ def masters_accuracy(args, seed: int, out_dir: Path) -> float | None:
         for param, master in zip(params, state["master_weights"], strict=True):
             param.copy_(master)
     accuracy = held_out_accuracy(args, seed, model, tokenizer)
+    release_engine(model)  # its KV cache would stay until a garbage collection
     del model
     return accuracy
 
