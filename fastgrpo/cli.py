@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trust_argument(train)
     train.add_argument("--output-dir", help="shorthand for --set run.output_dir=DIR")
     train.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train on N GPUs (or CPU processes) of this machine, data parallel: shorthand for "
+        "`torchrun --standalone --nproc-per-node N -m fastgrpo train ...`; "
+        "rollout.prompts_per_step stays the global batch",
+    )
+    train.add_argument(
         "--profile",
         type=int,
         metavar="N",
@@ -143,6 +151,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for --nproc
     if args.command is None:
         parser.print_help()
         return 0
@@ -162,6 +171,28 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + number
+
+
+def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:
+    """`fastgrpo train --nproc N ...`: the same command as N processes started by torchrun."""
+    import os
+    import subprocess
+
+    from fastgrpo.config import ConfigError
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: give the number of processes, 1 or more")
+    if "WORLD_SIZE" in os.environ:
+        raise ConfigError("--nproc inside a torchrun job: drop --nproc, torchrun started it")
+    argv, rest = [], iter(given)
+    for arg in rest:  # the command line without --nproc N
+        if arg == "--nproc":
+            next(rest, None)
+        elif not arg.startswith("--nproc="):
+            argv.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "fastgrpo", *argv]  # fmt: skip
+    return subprocess.call(command)
 
 
 def _one_line(error: Exception) -> str:
@@ -187,6 +218,9 @@ def run_config(args) -> int:
 
 def run_train(args) -> int:
     from fastgrpo.config import ConfigError
+
+    if args.nproc is not None:
+        return _relaunch_under_torchrun(args.nproc, args.argv)
     from fastgrpo.train import load_resume_config, run_training
 
     if args.output_dir:

@@ -84,6 +84,10 @@ class World:
         variance = (squares - total * total / n) / (n - 1)
         return variance.clamp(min=0).sqrt().to(values.dtype)
 
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        dist.barrier()
+
     def any(self, flag: bool, device: torch.device | str) -> bool:
         """Whether `flag` holds on at least one rank."""
         value = torch.tensor(float(flag), device=device)

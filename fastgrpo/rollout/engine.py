@@ -55,9 +55,13 @@ class Generation:
     finished: torch.Tensor  # (B,) bool: True ended at a stop token, False cut at the length limit
 
 
-def sample_seeds(seed: int, rows: int, device) -> torch.Tensor:
-    """(rows,) int64 per-sample seeds: distinct for every (seed, row) with seed < 2**31."""
-    return (seed << 32) + torch.arange(rows, dtype=torch.int64, device=device)
+def sample_seeds(seed: int, rows: int | torch.Tensor, device) -> torch.Tensor:
+    """(rows,) int64 per-sample seeds: distinct for every (seed, row) with seed < 2**31. `rows`
+    a count (rows 0, 1, ...) or the rows' numbers in a larger batch (a data-parallel rank's rows
+    then sample what they would in one process)."""
+    if isinstance(rows, int):
+        rows = torch.arange(rows, dtype=torch.int64, device=device)
+    return (seed << 32) + rows.to(device=device, dtype=torch.int64)
 
 
 class RolloutEngine:

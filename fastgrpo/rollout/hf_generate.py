@@ -24,8 +24,11 @@ def hf_rollout(
     top_k: int = 0,
     top_p: float = 1.0,
     with_sampling_logp: bool = False,
+    row_ids: torch.Tensor | None = None,
 ) -> Rollout:
     """G completions per prompt, rows grouped by prompt (prompt i owns rows i*G .. i*G+G-1).
+    `row_ids` is not used: HF `generate` draws from torch's generator, so a data-parallel rank's
+    rows do not repeat what one process would sample (the native engine's do).
 
     temperature 0 means greedy decoding.
     """

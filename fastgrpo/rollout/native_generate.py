@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import torch
 
-from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.engine import RolloutEngine, sample_seeds
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.transfer import to_device
@@ -64,14 +64,23 @@ def native_rollout(
     top_k: int = 0,
     top_p: float = 1.0,
     with_sampling_logp: bool = False,
+    row_ids: torch.Tensor | None = None,
 ) -> Rollout:
-    """G completions per prompt, rows grouped by prompt; temperature 0 means greedy decoding."""
+    """G completions per prompt, rows grouped by prompt; temperature 0 means greedy decoding.
+    `row_ids` (P * G,): the rows' numbers in the whole batch when these prompts are a share of it
+    (data parallel): each row samples with its number's seed, as it would in one process."""
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     engine = engine_for(model, stop_ids, tokenizer.pad_token_id)
     seed = int(torch.randint(0, 2**31 - 1, ()))  # from the default generator: seeded runs repeat
     params = SamplingParams(temperature, top_k, top_p)
+    seeds = None if row_ids is None else sample_seeds(seed, row_ids, engine.device)
     out = engine.generate(
-        ids, num_samples=num_generations, max_new_tokens=max_new_tokens, params=params, seed=seed
+        ids,
+        num_samples=num_generations,
+        max_new_tokens=max_new_tokens,
+        params=params,
+        seed=seed,
+        seeds=seeds,
     )
     width = max(int(out.lengths.max()), 1)
     mask = (torch.arange(width, device=out.lengths.device) < out.lengths[:, None]).float()

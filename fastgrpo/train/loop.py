@@ -21,6 +21,7 @@ from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
 from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer
+from fastgrpo.models.sources import resolve_device
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
 from fastgrpo.train.batching import plan_update
@@ -35,7 +36,7 @@ from fastgrpo.train.checkpoint import (
 )
 from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.guards import RunGuard
-from fastgrpo.train.metrics import MetricsLog, peak_memory_gib, read_records
+from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.resume import (
     changed_settings,
@@ -122,13 +123,35 @@ def finished_result(run_dir: Path, config: Config, step: int) -> TrainResult | N
 # ----------------------------------------------------------------------------- the loop
 
 
+def join_world(config: Config):
+    """The data-parallel job this process is a rank of (started by torchrun with more than one
+    process), else None; `fastgrpo.distributed` is imported only then."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from fastgrpo.distributed import join_torchrun
+
+    return join_torchrun(resolve_device(config.model.device).type)
+
+
+def gather_record(record: dict, world) -> dict:
+    from fastgrpo.distributed.metrics import gather_record as gather
+
+    return gather(record, world)
+
+
 def train(config: Config, *, resume: bool = False, trust_run_code: bool = False) -> TrainResult:
     """Run GRPO training as configured; `resume` continues the run in `config.run.output_dir`
     (`trust_run_code`: also from a trainer state that needs full unpickling, see checkpoint.py).
 
     SIGINT or SIGTERM while steps run: the step finishes, a checkpoint is saved and the result
-    says `interrupted`; before the first step or during the final evaluation: `Interrupted`."""
-    run_dir = check_run_dir(config, resume)
+    says `interrupted`; before the first step or during the final evaluation: `Interrupted`.
+
+    Started by torchrun with more than one process, each process is a rank of one data-parallel
+    job (`grpo_step`); rank 0 writes the run folder, the metrics and the checkpoints."""
+    world = join_world(config)
+    run_dir = check_run_dir(config, resume)  # on every rank, before any rank writes
+    if world is not None:
+        world.barrier()
     checkpoint = latest_checkpoint(run_dir) if resume else None
     changes = changed_settings(checkpoint, config) if checkpoint else {}
     if checkpoint is not None:
@@ -140,7 +163,7 @@ def train(config: Config, *, resume: bool = False, trust_run_code: bool = False)
         log.warning("removed %s: checkpoint writes an earlier process never finished", removed)
     stop = StopRequest()
     try:
-        return _train(config, run_dir, checkpoint, changes, stop, trust_run_code)
+        return _train(config, run_dir, checkpoint, changes, stop, trust_run_code, world)
     except Interrupted as interrupt:
         interrupt.detail = interrupt.detail or (
             f"stopped before the first step; {run_dir} is as it was"
@@ -159,8 +182,10 @@ def _train(
     changes: dict,
     stop: StopRequest,
     trust_run_code: bool,
+    world=None,
 ) -> TrainResult:
-    torch.manual_seed(config.train.seed)
+    main = world is None or world.is_main
+    torch.manual_seed(config.train.seed)  # the same on every rank: rows draw by their number
     task = build_task_data(config)
     check_enough_prompts(config, task)
     rewards = build_rewards(config)
@@ -173,7 +198,7 @@ def _train(
     sampler = PromptSampler(
         len(task.train), config.rollout.prompts_per_step, seed=config.train.seed
     )
-    trainer = build_trainer(config, model, tokenizer, ref_model, rewards=rewards)
+    trainer = build_trainer(config, model, tokenizer, ref_model, rewards=rewards, world=world)
     optimizer, scheduler = trainer.optimizer, trainer.scheduler
     step = 0
     if checkpoint is not None:
@@ -183,19 +208,24 @@ def _train(
         set_rng_state(state["rng"])
         step = state["step"]
 
-    write_run_config(run_dir, config)  # only now: bad settings above leave no trace behind
     result = TrainResult(run_dir=run_dir, steps=step)
-    metrics = MetricsLog(
-        run_dir, total_steps=config.train.steps, start_step=step, show_progress=config.run.progress
-    )
-    if checkpoint is not None:
+    if main:
+        write_run_config(run_dir, config)  # only now: bad settings above leave no trace behind
+        metrics = MetricsLog(
+            run_dir,
+            total_steps=config.train.steps,
+            start_step=step,
+            show_progress=config.run.progress,
+        )
+    else:
+        metrics = SilentMetrics()
+    if checkpoint is not None and main:
         record_changes(run_dir, step, changes)
         for key, (old, new) in changes.items():
             metrics.write(f"resume: {key} {old!r} -> {new!r} from step {step + 1}")
-    profiler = StepProfiler(
-        run_dir, profiled_steps(config.run.profile_steps, step, config.train.steps), model.device
-    )
-    evaluate_now = _evaluator(config, trainer, task, metrics)
+    profiled = profiled_steps(config.run.profile_steps, step, config.train.steps) if main else []
+    profiler = StepProfiler(run_dir, profiled, model.device)
+    evaluate_now = _evaluator(config, trainer, task, metrics, main)
     if config.eval.before and step == 0:
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
@@ -220,13 +250,15 @@ def _train(
             metrics.log(record)
             result.history.append(record)
             guard.check(record)  # before this step's checkpoint
+            if world is not None and world.any(stop.requested, model.device):
+                stop.requested = True  # a signal seen by any rank stops every rank here
             if (
                 config.eval.every_steps
                 and step % config.eval.every_steps == 0
                 and step < config.train.steps
             ):
                 evaluate_now(step, "during")
-            if (
+            if main and (
                 stop.requested
                 or step == config.train.steps
                 or (config.run.save_every and step % config.run.save_every == 0)
@@ -288,8 +320,8 @@ def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -
         metrics.write(f"profile: wrote {path} (open it in https://ui.perfetto.dev)")
 
 
-def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog):
-    problems = task.eval[: config.eval.num_problems]
+def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog, main: bool):
+    problems = task.eval[: config.eval.num_problems] if main else []  # rank 0 evaluates
 
     def run(step: int, when: str) -> dict | None:
         if not problems:
@@ -330,24 +362,37 @@ def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: Metric
 
 
 def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
-    """One GRPO step on a batch of prompts, phase by phase; returns its metrics."""
-    model, r, t = trainer.model, config.rollout, config.train
+    """One GRPO step on a batch of prompts, phase by phase; returns its metrics.
+
+    In a data-parallel job (`trainer.world`) `examples` is the global batch: this rank takes its
+    share of whole prompt groups, each row sampling with its number in the global batch, and the
+    batch-wide quantities (reward std, loss normalisers, gradients, metrics) are reduced over the
+    ranks, so the step is the one-process step of the same batch."""
+    model, r, t, world = trainer.model, config.rollout, config.train, trainer.world
     timer = PhaseTimer(model.device)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     step_start = time.perf_counter()
+    row_ids = None
+    if world is not None:
+        mine = world.share(range(len(examples)))
+        examples = [examples[i] for i in mine]
+        g = r.num_generations
+        row_ids = torch.tensor([i * g + j for i in mine for j in range(g)])
     with timer("rollout"):
-        rollout = sample_completions(config, trainer, examples)
+        rollout = sample_completions(config, trainer, examples, row_ids)
     with timer("reward"):
         scores = score_rollout(
             trainer.rewards, trainer.tokenizer, examples, rollout, r.num_generations
         )
         reward = to_device(torch.tensor(scores.result.total, dtype=torch.float32), model.device)
+        batch_std = world.batch_std(reward) if world is not None else None  # all ranks' rows
         advantages = group_advantages(
             reward,
             r.num_generations,
             scale=config.algo.scale_rewards,
             baseline=config.algo.baseline,
+            batch_std=batch_std,
         )  # (B,)
     if config.algo.mask_truncated_completions:  # a cut-off answer teaches nothing reliable
         rollout.completion_mask = rollout.completion_mask * rollout.finished.unsqueeze(1)
@@ -359,6 +404,7 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
             token_budget=t.micro_batch_tokens,
             zero_gradient_rows=trainer.loss_settings.zero_gradient_rows_possible,
             packed=isinstance(model, Transformer),
+            world=world,
         )
         if trainer.ref_model is not None:
             score_reference(
@@ -388,11 +434,15 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
     record["time/step"] = step_time
     record["tokens_per_s"] = rollout.lengths.sum().item() / step_time
     record["peak_memory_gib"] = peak_memory_gib(model.device)
+    if world is not None:  # the whole batch's record, on every rank (the guards read it)
+        record["reward/std"] = batch_std.item()
+        record = gather_record(record, world)
     return record
 
 
-def sample_completions(config: Config, trainer: Trainer, examples: list):
-    """The rollout phase: `rollout.num_generations` completions of each example's prompt."""
+def sample_completions(config: Config, trainer: Trainer, examples: list, row_ids=None):
+    """The rollout phase: `rollout.num_generations` completions of each example's prompt
+    (`row_ids`: the rows' numbers in a data-parallel job's global batch)."""
     r = config.rollout
     texts = [
         render_prompt(trainer.tokenizer, ex.prompt, config.task.system_prompt) for ex in examples
@@ -408,6 +458,7 @@ def sample_completions(config: Config, trainer: Trainer, examples: list):
         top_k=r.top_k,
         top_p=r.top_p,
         with_sampling_logp=config.algo.importance_sampling_correction,
+        row_ids=row_ids,
     )
 
 

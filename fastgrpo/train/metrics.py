@@ -112,6 +112,27 @@ class MetricsLog:
         self.file.close()
 
 
+class SilentMetrics:
+    """The metrics of a data-parallel rank other than 0: nothing is written or shown (rank 0
+    writes the job's records, combined over the ranks)."""
+
+    def find(self, **match) -> dict | None:
+        return None
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def paused(self):
+        yield
+
+    def close(self) -> None:
+        pass
+
+
 def read_records(path: Path) -> list[dict]:
     """The JSON records of a metrics file. A cut-off last line (a crash or a full disk mid-write)
     is left out with a warning; a bad line elsewhere is an error naming file and line."""

@@ -38,6 +38,7 @@ class Trainer:
     loss_settings: LossSettings
     loss: MicroBatchLoss  # chosen once: the reference or a fused LM-head path
     fused: bool  # the fused LM-head kernels score and train
+    world: object | None = None  # the data-parallel job (distributed.World), None in one process
 
 
 def build_task_data(config: Config) -> TaskData:
@@ -111,7 +112,13 @@ def check_fused_lm_head(config: Config, model) -> bool:
 
 
 def build_trainer(
-    config: Config, model, tokenizer, ref_model=None, *, rewards: RewardSet | None = None
+    config: Config,
+    model,
+    tokenizer,
+    ref_model=None,
+    *,
+    rewards: RewardSet | None = None,
+    world=None,
 ) -> Trainer:
     """The Trainer for an already-made policy `model` (and, when algo.beta != 0, its frozen
     reference `ref_model`, None otherwise): sets the model up for training as configured and
@@ -146,6 +153,7 @@ def build_trainer(
         master_weights=t.master_weights,
         rounding=t.bf16_rounding,
         seed=t.seed,
+        world=world,
     )
     scheduler = build_scheduler(
         optimizer.adamw,
@@ -165,6 +173,7 @@ def build_trainer(
         settings,
         choose_loss(settings, fused),
         fused,
+        world if world is not None and world.size > 1 else None,
     )
 
 

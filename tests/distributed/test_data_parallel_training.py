@@ -1,0 +1,66 @@
+"""`fastgrpo train --nproc 2` on the CPU (torchrun, gloo): the same run as one process.
+
+Every rank rolls out its share of the prompt groups, each row sampling with its number in the
+global batch, so the two processes see the one process's rollout; with the batch-wide reductions
+the weights after the run match. Rank 0 alone writes the run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastgrpo.train import run_training
+from fastgrpo.train.checkpoint import latest_checkpoint
+from tests.train.test_training_run import tiny_overrides, write_test_rewards
+
+EXTRA = {
+    "rollout.prompts_per_step": 4,
+    "train.mini_batches": 2,
+    "algo.beta": 0.04,
+    "algo.scale_rewards": "batch",
+}
+
+
+def weights(run_dir) -> dict:
+    folder = latest_checkpoint(run_dir) / "model"
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    run_training(None, overrides=tiny_overrides(tiny_model_dir, one, steps=2, **extra))
+    sets = [f"--set={item}" for item in tiny_overrides(tiny_model_dir, two, steps=2, **extra)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "fastgrpo", "train", "--nproc", "2", *sets],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    start = load_file(f"{tiny_model_dir}/model.safetensors")
+    assert max(float((a[k] - start[k]).abs().max()) for k in start) > 1e-4  # it trained
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step") and r.get("kind", "train") == "train"]
+    assert [r["step"] for r in steps] == [1, 2]  # one record per step: rank 0 writes
+    straight = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    for mine, theirs in zip(steps, [r for r in straight if r.get("kind", "train") == "train"]):
+        assert mine["completion/mean_length"] == pytest.approx(theirs["completion/mean_length"])
+        assert mine["reward/std"] == pytest.approx(theirs["reward/std"], rel=1e-5)
