@@ -133,6 +133,18 @@ def join_world(config: Config):
     return join_torchrun(resolve_device(config.model.device).type)
 
 
+def check_data_parallel(config: Config, ranks: int) -> None:
+    """What a data-parallel job of `ranks` processes needs of the config (every rank checks, so
+    a bad setting ends every rank with the same one-line error)."""
+    prompts, minis = config.rollout.prompts_per_step, config.train.mini_batches
+    if prompts % (ranks * minis):
+        raise ConfigError(
+            f"rollout.prompts_per_step={prompts} must be a multiple of the {ranks} processes x "
+            f"train.mini_batches={minis}, so that every rank holds whole prompt groups of each "
+            f"mini-batch; e.g. --set rollout.prompts_per_step={ranks * minis * max(1, prompts // (ranks * minis))}"
+        )
+
+
 def gather_record(record: dict, world) -> dict:
     from fastgrpo.distributed.metrics import gather_record as gather
 
@@ -149,6 +161,8 @@ def train(config: Config, *, resume: bool = False, trust_run_code: bool = False)
     Started by torchrun with more than one process, each process is a rank of one data-parallel
     job (`grpo_step`); rank 0 writes the run folder, the metrics and the checkpoints."""
     world = join_world(config)
+    if world is not None:
+        check_data_parallel(config, world.size)
     run_dir = check_run_dir(config, resume)  # on every rank, before any rank writes
     if world is not None:
         world.barrier()

@@ -41,15 +41,7 @@ def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_
     extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
     run_training(None, overrides=tiny_overrides(tiny_model_dir, one, steps=2, **extra))
     sets = [f"--set={item}" for item in tiny_overrides(tiny_model_dir, two, steps=2, **extra)]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-m", "fastgrpo", "train", "--nproc", "2", *sets],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = torchrun_train(sets)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = weights(one), weights(two)
     assert a.keys() == b.keys()
@@ -64,3 +56,68 @@ def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_
     for mine, theirs in zip(steps, [r for r in straight if r.get("kind", "train") == "train"]):
         assert mine["completion/mean_length"] == pytest.approx(theirs["completion/mean_length"])
         assert mine["reward/std"] == pytest.approx(theirs["reward/std"], rel=1e-5)
+
+
+def torchrun_train(sets: list[str], *extra: str, timeout: float = 300):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "fastgrpo", "train", "--nproc", "2", *extra, *sets],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumed_takes_the_step_an_uninterrupted_one_takes(
+    tiny_model_dir, tmp_path
+):
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    sets = lambda run, steps: [  # noqa: E731
+        f"--set={s}" for s in tiny_overrides(tiny_model_dir, run, steps=steps, **extra)
+    ]
+    assert torchrun_train(sets(straight, 2)).returncode == 0
+    assert torchrun_train(sets(halves, 1)).returncode == 0
+    resumed = torchrun_train(["--set=train.steps=2"], "--resume", str(halves), "--trust-run-code")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = weights(straight), weights(halves)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_setting_no_rank_can_run_is_one_line_on_every_rank(tiny_model_dir, tmp_path):
+    sets = [
+        f"--set={s}"
+        for s in tiny_overrides(tiny_model_dir, tmp_path / "run", **{"rollout.prompts_per_step": 3})
+    ]
+    done = torchrun_train(sets, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.count("must be a multiple of the 2 processes") == 2
+    assert not (tmp_path / "run").exists()
+
+
+DYING_REWARD = """
+import os
+
+def dies_on_rank_1(prompts, completions, **kwargs):
+    if os.environ.get("RANK") == "1":
+        os._exit(3)  # a crash no Python handler sees
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_job_with_its_rank_named(tiny_model_dir, tmp_path):
+    (tmp_path / "dying.py").write_text(DYING_REWARD)
+    rewards = f"['{tmp_path / 'dying.py'}:dies_on_rank_1']"
+    sets = [
+        f"--set={s}"
+        for s in tiny_overrides(tiny_model_dir, tmp_path / "run", **{**EXTRA, "rewards": rewards})
+    ]
+    done = torchrun_train(sets, timeout=180)  # rank 0 waits in a collective: torchrun ends it
+    assert done.returncode != 0
+    assert "rank      : 1" in done.stderr and "exitcode  : 3" in done.stderr
