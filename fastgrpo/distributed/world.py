@@ -84,6 +84,12 @@ class World:
         variance = (squares - total * total / n) / (n - 1)
         return variance.clamp(min=0).sqrt().to(values.dtype)
 
+    def leave(self) -> None:
+        """Destroy the process group (at the end of training): left to the interpreter's exit,
+        gloo's threads can abort the process ("terminate called without an active exception")."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def barrier(self) -> None:
         """Wait for every rank."""
         dist.barrier()

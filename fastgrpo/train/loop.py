@@ -161,6 +161,15 @@ def train(config: Config, *, resume: bool = False, trust_run_code: bool = False)
     Started by torchrun with more than one process, each process is a rank of one data-parallel
     job (`grpo_step`); rank 0 writes the run folder, the metrics and the checkpoints."""
     world = join_world(config)
+    try:
+        return _start(config, resume, trust_run_code, world)
+    finally:
+        if world is not None:
+            world.leave()
+
+
+def _start(config: Config, resume: bool, trust_run_code: bool, world) -> TrainResult:
+    """`train` from its run folder's checks on (in a data-parallel job, on every rank)."""
     if world is not None:
         check_data_parallel(config, world.size)
     run_dir = check_run_dir(config, resume)  # on every rank, before any rank writes
@@ -172,7 +181,7 @@ def train(config: Config, *, resume: bool = False, trust_run_code: bool = False)
         done = finished_result(run_dir, config, checkpoint_step(checkpoint))
         if done is not None:
             return done
-    removed = remove_partial_checkpoints(run_dir)
+    removed = remove_partial_checkpoints(run_dir) if world is None or world.is_main else []
     if removed:
         log.warning("removed %s: checkpoint writes an earlier process never finished", removed)
     stop = StopRequest()
