@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2 if isinstance(error, UserError) else 1
+    except BrokenPipeError:  # the reader went away (`fastgrpo config --keys | head`)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM where no step could finish first
         number = getattr(stop, "signum", signal.SIGINT)
         detail = getattr(stop, "detail", "")

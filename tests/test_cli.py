@@ -165,3 +165,18 @@ def test_out_of_range_values_stop_train_with_one_line(override, names, tmp_path,
 def test_eval_flags_outside_their_range_are_one_line_errors(flag, value, message, capsys):
     err = _one_line_error(["eval", "--model", "nowhere", flag, value], capsys)
     assert message in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`fastgrpo config --keys | head -2`: the pipe closes under the writer."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        f"{sys.executable} -m fastgrpo config --keys | head -2",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
+    assert len(done.stdout.splitlines()) == 2
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
