@@ -128,6 +128,11 @@ def join_world(config: Config):
     process), else None; `fastgrpo.distributed` is imported only then."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
+    if config.model.device.startswith("cuda:"):
+        raise ConfigError(
+            f"model.device={config.model.device} under torchrun: each process takes the GPU of "
+            "its LOCAL_RANK; set model.device=cuda or auto (CUDA_VISIBLE_DEVICES picks the GPUs)"
+        )
     from fastgrpo.distributed import join_torchrun
 
     return join_torchrun(resolve_device(config.model.device).type)

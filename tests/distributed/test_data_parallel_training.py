@@ -121,3 +121,16 @@ def test_a_rank_that_dies_ends_the_job_with_its_rank_named(tiny_model_dir, tmp_p
     done = torchrun_train(sets, timeout=180)  # rank 0 waits in a collective: torchrun ends it
     assert done.returncode != 0
     assert "rank      : 1" in done.stderr and "exitcode  : 3" in done.stderr
+
+
+def test_a_gpu_index_under_torchrun_is_one_line_before_joining(monkeypatch):
+    from fastgrpo.config import Config, ConfigError
+    from fastgrpo.train.loop import join_world
+
+    config = Config()
+    config.model.device = "cuda:0"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="LOCAL_RANK"):
+        join_world(config)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert join_world(config) is None  # one process: no job to join
