@@ -121,8 +121,10 @@ def join_torchrun(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Wor
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        options = {"device_id": torch.device("cuda", local_rank)} if device_type == "cuda" else {}
         dist.init_process_group(
             backend="nccl" if device_type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
+            **options,  # NCCL binds this rank's GPU now, instead of guessing it from the rank
         )
     return World(rank, size, local_rank)
