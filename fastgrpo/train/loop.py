@@ -235,6 +235,9 @@ def _train(
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         step = state["step"]
+        processes = world.size if world is not None else 1
+        if state.get("processes", 1) != processes:  # replicated state: any count continues it
+            changes = {**changes, "processes": (state.get("processes", 1), processes)}
 
     result = TrainResult(run_dir=run_dir, steps=step)
     if main:
@@ -295,6 +298,7 @@ def _train(
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
                     "sampler": sampler.state_dict(),
+                    "processes": world.size if world is not None else 1,
                 }
                 where = save_checkpoint(
                     run_dir,

@@ -134,3 +134,25 @@ def test_a_gpu_index_under_torchrun_is_one_line_before_joining(monkeypatch):
         join_world(config)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert join_world(config) is None  # one process: no job to join
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(tiny_model_dir, tmp_path):
+    """The state is replicated and every row samples by its global number: another process
+    count continues the run (within fp32 summation noise), and the change is recorded."""
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run_training(None, overrides=tiny_overrides(tiny_model_dir, straight, steps=2, **extra))
+    sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, halves, steps=1, **extra)]
+    assert torchrun_train(sets).returncode == 0
+    from fastgrpo.train import load_resume_config
+
+    config = load_resume_config(str(halves), ["train.steps=2"], trust_run_code=True)
+    run_training(config, resume=True, trust_run_code=True)
+    a, b = weights(straight), weights(halves)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    changes = [
+        json.loads(line) for line in (halves / "config_changes.jsonl").read_text().splitlines()
+    ]
+    assert {"after_step": 1, "key": "processes", "from": 2, "to": 1} in changes
