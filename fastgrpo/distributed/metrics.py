@@ -2,8 +2,9 @@
 
 Each rank measures its own share of the batch; the job's record takes, per key, what the whole
 batch would show: the sum of counts and of throughputs, the min and max of extremes, the slowest
-rank's phase times (the step waits for it), and the mean of everything else (every rank holds the
-same number of rows, so the mean of per-rank means is the batch mean for per-row metrics). Keys
+rank's phase times (the step waits for it; `time/X/per_rank` lists every rank's where they differ
+by more than 5%), and the mean of everything else (every rank holds the same number of rows, so
+the mean of per-rank means is the batch mean for per-row metrics). Keys
 may differ between ranks (a reward that failed on one rank only): a key missing on a rank counts
 as 0 where summed and is left out of the other reductions.
 """
@@ -32,6 +33,8 @@ def combine_records(records: list[dict]) -> dict:
             out[key] = min(values)
         elif key.endswith(HIGHEST_SUFFIX) or key.startswith(SLOWEST_PREFIXES):
             out[key] = max(values)
+            if key.startswith("time/") and len(values) > 1 and max(values) > 1.05 * min(values):
+                out[f"{key}/per_rank"] = values  # where the ranks differ by more than 5%
         else:
             out[key] = sum(values) / len(values)
     return out

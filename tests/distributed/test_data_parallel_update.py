@@ -202,6 +202,7 @@ def test_ranks_records_combine_as_the_whole_batch_would_show():
         "completion/min_length": 1,
         "completion/max_length": 64,
         "time/rollout": 0.3,
+        "time/rollout/per_rank": [0.2, 0.3],
         "tokens_per_s": 1900.0,
         "reward_failures/fmt": 2,
         "step": 7,
