@@ -126,8 +126,10 @@ def finished_result(run_dir: Path, config: Config, step: int) -> TrainResult | N
 def join_world(config: Config):
     """The data-parallel job this process is a rank of (started by torchrun with more than one
     process), else None; `fastgrpo.distributed` is imported only then."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
         return None
+    check_data_parallel(config, size)  # before any process-group work: every rank says it
     if config.model.device.startswith("cuda:"):
         raise ConfigError(
             f"model.device={config.model.device} under torchrun: each process takes the GPU of "
@@ -175,8 +177,6 @@ def train(config: Config, *, resume: bool = False, trust_run_code: bool = False)
 
 def _start(config: Config, resume: bool, trust_run_code: bool, world) -> TrainResult:
     """`train` from its run folder's checks on (in a data-parallel job, on every rank)."""
-    if world is not None:
-        check_data_parallel(config, world.size)
     run_dir = check_run_dir(config, resume)  # on every rank, before any rank writes
     if world is not None:
         world.barrier()
