@@ -5,7 +5,9 @@ A number is only an answer when it stands on its own: not inside an identifier (
 Grouped thousands may be written ``14,916``, ``14{,}916``, ``1\\,000`` or with thin spaces.
 """
 
+import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,19 @@ def test_common_final_answer_templates_are_scored(completion, gold, reward):
 
 def test_a_final_answer_stating_a_number_before_is_keeps_it_whole():
     assert extract_answer("Final Answer: 42 is the total.") == "42 is the total"
+
+
+LABELLED_OUTPUTS = [
+    json.loads(line)
+    for line in (Path(__file__).parent / "labelled_math_outputs.jsonl").read_text().splitlines()
+]
+
+
+@pytest.mark.parametrize("row", LABELLED_OUTPUTS, ids=[row["note"] for row in LABELLED_OUTPUTS])
+def test_math_accuracy_agrees_with_every_hand_labelled_model_output(row):
+    assert math_accuracy(["q"], [row["completion"]], answer=[row["answer"]]) == [row["reward"]]
+
+
+def test_the_labelled_set_holds_both_rewards():
+    rewards = [row["reward"] for row in LABELLED_OUTPUTS]
+    assert len(rewards) >= 25 and 0.0 in rewards and 1.0 in rewards
