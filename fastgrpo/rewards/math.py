@@ -5,6 +5,11 @@ model writes its answer: "$1,234.50.", "\\boxed{\\frac{3}{4}}", "Answer: 12 appl
 and "#### 18" are all ordinary model outputs. This module finds the final answer in
 a completion, parses numbers exactly (as fractions, so 0.5 == 1/2 with no float
 rounding), and compares it to the dataset's reference answer.
+
+It is numeric and strict: digits inside an identifier ("A2B", "x1") are no number, and a
+symbolic ending ("x^2", "3x", "\\frac{1+\\sqrt{5}}{2}") is no answer rather than a number
+read out of it; a reward that credits such reads would teach the policy to write them. Clean
+integer powers ("2^{10}") in a stated answer are evaluated exactly; nothing else symbolic is.
 """
 
 import re
