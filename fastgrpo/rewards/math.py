@@ -60,7 +60,7 @@ _UNIT_POWER = re.compile(r"(\d\s*[^\W\d_]{1,3})\s*\^\s*(?:\{\s*[23]\s*\}|[23])(?
 
 # Thousands groups: "14,916", "14{,}916", "1\,000", "1 000" with a thin (U+2009), narrow
 # no-break (U+202F) or, in a stated answer only, a plain space.
-_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ(?:\s*\})?")
 _GROUP_SEPARATORS = r"\{,\}|\\,|\\ |\\;|\\!|[,\u2009\u202f]"
 _GROUPED_IN_TEXT = re.compile(rf"(?<![\d.,])\d{{1,3}}(?:(?:{_GROUP_SEPARATORS})\d{{3}})+(?!\d)")
 _GROUPED_IN_ANSWER = re.compile(
@@ -68,9 +68,10 @@ _GROUPED_IN_ANSWER = re.compile(
 )
 _GROUP_SEPARATOR = re.compile(rf"{_GROUP_SEPARATORS}| ")
 
-# A fraction of two plain numbers; "\frac{a+1}{2}" is symbolic and stays as it is.
+# A fraction of two plain numbers. "\frac{a+1}{2}" is symbolic and stays as it is, and so
+# does the mixed number "2\frac{1}{2}" (refused, not misread as 21/2).
 _LATEX_FRACTION = re.compile(
-    r"\\[dt]?frac\s*\{\s*([-\u2212]?\d+(?:\.\d+)?)\s*\}\s*\{\s*(\d+(?:\.\d+)?)\s*\}"
+    r"(?<![\d}])\\[dt]?frac\s*\{\s*([-\u2212]?\d+(?:\.\d+)?)\s*\}\s*\{\s*(\d+(?:\.\d+)?)\s*\}"
 )
 _LATEX_WRAPPER = re.compile(
     r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|boxed|fbox|underline|emph)\s*\{([^{}]*)\}"

@@ -57,6 +57,7 @@ def test_identifiers_are_skipped_like_words(completion, expected):
         "Hence the area is 12 + 2\\sqrt2",
         "Then y = \\frac{a+1}{2}",
         "The length is 4 + \\sqrt{x+3}",
+        "It is 2\\frac{1}{2} cups",
     ],
 )
 def test_a_symbolic_final_expression_is_not_read_as_a_number(completion):
@@ -69,6 +70,7 @@ def test_a_symbolic_final_expression_is_not_read_as_a_number(completion):
         ("The area is 12 cm^2", "12"),
         ("The floor covers 40 m^2.", "40"),
         ("It is 90^\\circ", "90"),
+        ("It is 12^\\circ C", "12"),
         ("Dividing, x = \\frac{3}{4}", "3/4"),
         ("The answer box: \\boxed{41", "41"),
         ("Each costs \\text{18 dollars}", "18"),
@@ -94,6 +96,7 @@ def test_units_powers_and_simple_fractions_at_the_end_still_give_the_number(comp
         ("2^{1000}", None),
         ("\\frac{3}{4}", Fraction(3, 4)),
         ("\\frac{a+1}{2}", None),
+        ("2\\frac{1}{2}", None),
         ("12 cm^2", Fraction(12)),
         ("5km", Fraction(5)),
         ("4.5L", Fraction(9, 2)),
