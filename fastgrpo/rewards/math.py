@@ -30,6 +30,8 @@ _ANSWER_PHRASE = re.compile(
 )
 # The verb of "Final Answer: The number of eggs left is 9" (matched case-insensitively).
 _STATED_BY = re.compile(r"\s(?:is|are|was|were|equals)\s", re.IGNORECASE)
+# Where a stated answer's explanation begins: "42 because she had 6 bags of 7".
+_EXPLANATION = re.compile(r"\s(?:because|since|as|so|which|given|if|when|where)\b", re.IGNORECASE)
 # The end of the sentence that holds a phrase answer: ". " but not the "." of "3.5".
 _SENTENCE_END = re.compile(r"[.!?;](?=\s|$)|,\s")
 
@@ -149,7 +151,8 @@ def _after_last_answer_phrase(text: str) -> str | None:
         return None
     for match in reversed(list(_ANSWER_PHRASE.finditer(text))):
         following = text[match.end() :].lstrip().split("\n", 1)[0]
-        answer = _clean_answer(_stated_value(_SENTENCE_END.split(following, maxsplit=1)[0]))
+        sentence = _SENTENCE_END.split(following, maxsplit=1)[0]
+        answer = _clean_answer(_stated_value(_EXPLANATION.split(sentence, maxsplit=1)[0]))
         if answer:
             return answer
     return None

@@ -183,3 +183,16 @@ def test_math_accuracy_agrees_with_every_hand_labelled_model_output(row):
 def test_the_labelled_set_holds_both_rewards():
     rewards = [row["reward"] for row in LABELLED_OUTPUTS]
     assert len(rewards) >= 25 and 0.0 in rewards and 1.0 in rewards
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("The answer is 42 because she had 6 bags of 7.", "42"),
+        ("Final Answer: The total is 18 dollars since 9 * 2 = 18.", "18 dollars"),
+        ("So the answer is 12 apples, which is 3 more than 9", "12 apples"),
+        ("The answer is 7 as 3 + 4 = 7", "7"),
+    ],
+)
+def test_a_stated_answer_ends_where_its_explanation_begins(completion, expected):
+    assert extract_answer(completion) == expected
