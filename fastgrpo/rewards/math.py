@@ -41,28 +41,26 @@ _VARIABLE = r"(?![ghmsL])[^\W\d_](?![^\W\d_])"
 _UNSIGNED_NUMBER = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
 # A number in running text. It must not continue a word or identifier ("A2B", "x1", "v_2"),
 # an exponent ("x^2") or a LaTeX argument ("\sqrt{5}"; "\boxed{41" with no "}" is allowed),
-# and must not be followed by a digit, "_", "^", "}", a decimal or fraction part, or a single
-# letter variable (see _VARIABLE). A minus sign counts only
-# when it is not the binary minus of "16-3".
+# and must not be followed by a digit, "_", "^", "}", a decimal or fraction part, or a
+# variable (see _VARIABLE). A minus sign counts only when it is not the binary minus of "16-3".
 _NUMBER_IN_TEXT = re.compile(
     rf"(?:(?<![\w)\]])[-\u2212])?(?:(?<=\\boxed\{{)|(?<=\\fbox\{{)|(?<![\w.^{{\\]))"
     rf"{_UNSIGNED_NUMBER}(?:/\d+)?(?![\d_^}}]|{_VARIABLE}|[.,/]\d)"
 )
 # What makes the end of a text, from its last number on, a symbolic expression rather than a
 # number: an exponent ("x^2", "2^{10}"), a number in a LaTeX argument ("\frac{1+\sqrt{5}}{2}",
-# "\sqrt{x+3}"),
-# a number times a letter ("3x") or a constant or function ("6\pi", "2\sqrt3").
+# "\sqrt{x+3}"), a number times a variable ("3x") or a constant or function ("6\pi", "2\sqrt3").
 _SYMBOLIC_TAIL = re.compile(
     r"\^\s*\{?\s*[-\u2212]?\d|\{\s*[-\u2212]?\.?\d|\d\s*\}"
     rf"|(?<![\w.])\d+(?:\.\d+)?{_VARIABLE}"
     r"|\\(?:sqrt|pi|infty|log|ln|exp|sin|cos|tan|sec|csc|cot|theta|alpha|beta|gamma)"
 )
-# "cm^2" after a number is a unit; its exponent is no part of the answer.
+# "cm^2" or "m^3" after a number is a unit; its exponent is no part of the answer.
 _UNIT_POWER = re.compile(r"(\d\s*[^\W\d_]{1,3})\s*\^\s*(?:\{\s*[23]\s*\}|[23])(?!\d)")
 
 # Thousands groups: "14,916", "14{,}916", "1\,000", "1 000" with a thin (U+2009), narrow
-# no-break (U+202F) or, in a stated answer only, a plain space.
-_DEGREES = re.compile(r"\^\s*\{?\s*\\circ(?:\s*\})?")
+# no-break (U+202F) or, in a stated answer only, a plain space ("3 100-pound bags" in running
+# text is two numbers).
 _GROUP_SEPARATORS = r"\{,\}|\\,|\\ |\\;|\\!|[,\u2009\u202f]"
 _GROUPED_IN_TEXT = re.compile(rf"(?<![\d.,])\d{{1,3}}(?:(?:{_GROUP_SEPARATORS})\d{{3}})+(?!\d)")
 _GROUPED_IN_ANSWER = re.compile(
@@ -78,6 +76,7 @@ _LATEX_FRACTION = re.compile(
 _LATEX_WRAPPER = re.compile(
     r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|boxed|fbox|underline|emph)\s*\{([^{}]*)\}"
 )
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ(?:\s*\})?")
 _LATEX_NOISE = re.compile(r"\\[!,;: ]|\\left|\\right|\^\{?\\circ\}?|\\%|\\\$")
 _NUMERIC_ANSWER = re.compile(
     r"(?P<sign>[-+]?)\s*(?P<numerator>\d+(?:\.\d+)?|\.\d+)"
