@@ -222,9 +222,7 @@ def test_last_number_scans_only_the_end_and_finds_what_a_whole_scan_finds():
     from fastgrpo.rewards import math as math_reward
 
     def whole_scan(text):
-        text = math_reward._LATEX_FRACTION.sub(r"\1/\2", text)
-        numbers = math_reward._NUMBER_IN_TEXT.findall(text)
-        return numbers[-1] if numbers else None
+        return math_reward._last_number_from(math_reward._simplify_latex(text), 0)
 
     pieces = [
         "1,234,567",
@@ -248,6 +246,17 @@ def test_last_number_scans_only_the_end_and_finds_what_a_whole_scan_finds():
         "\t",
         "$18",
         "50%",
+        "A2B",
+        "x^2",
+        "cm^2",
+        "3x",
+        "5km",
+        "14{,}916",
+        "1\u2009000",
+        "1\\,000",
+        "\\sqrt{5}",
+        "\\boxed{41",
+        "90^\\circ",
     ]
     generator = random.Random(0)
     for _ in range(400):
