@@ -21,7 +21,6 @@ from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
 from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer
-from fastgrpo.models.sources import resolve_device
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
 from fastgrpo.train.batching import plan_update
@@ -37,6 +36,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
+from fastgrpo.train.parallel import gather_record, join_world
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.resume import (
     changed_settings,
@@ -121,41 +121,6 @@ def finished_result(run_dir: Path, config: Config, step: int) -> TrainResult | N
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-def join_world(config: Config):
-    """The data-parallel job this process is a rank of (started by torchrun with more than one
-    process), else None; `fastgrpo.distributed` is imported only then."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return None
-    check_data_parallel(config, size)  # before any process-group work: every rank says it
-    if config.model.device.startswith("cuda:"):
-        raise ConfigError(
-            f"model.device={config.model.device} under torchrun: each process takes the GPU of "
-            "its LOCAL_RANK; set model.device=cuda or auto (CUDA_VISIBLE_DEVICES picks the GPUs)"
-        )
-    from fastgrpo.distributed import join_torchrun
-
-    return join_torchrun(resolve_device(config.model.device).type)
-
-
-def check_data_parallel(config: Config, ranks: int) -> None:
-    """What a data-parallel job of `ranks` processes needs of the config (every rank checks, so
-    a bad setting ends every rank with the same one-line error)."""
-    prompts, minis = config.rollout.prompts_per_step, config.train.mini_batches
-    if prompts % (ranks * minis):
-        raise ConfigError(
-            f"rollout.prompts_per_step={prompts} must be a multiple of the {ranks} processes x "
-            f"train.mini_batches={minis}, so that every rank holds whole prompt groups of each "
-            f"mini-batch; e.g. --set rollout.prompts_per_step={ranks * minis * max(1, prompts // (ranks * minis))}"
-        )
-
-
-def gather_record(record: dict, world) -> dict:
-    from fastgrpo.distributed.metrics import gather_record as gather
-
-    return gather(record, world)
 
 
 def train(config: Config, *, resume: bool = False, trust_run_code: bool = False) -> TrainResult:

@@ -125,7 +125,7 @@ def test_a_rank_that_dies_ends_the_job_with_its_rank_named(tiny_model_dir, tmp_p
 
 def test_a_gpu_index_under_torchrun_is_one_line_before_joining(monkeypatch):
     from fastgrpo.config import Config, ConfigError
-    from fastgrpo.train.loop import join_world
+    from fastgrpo.train.parallel import join_world
 
     config = Config()
     config.model.device = "cuda:0"

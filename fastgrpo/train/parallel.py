@@ -1,0 +1,45 @@
+"""The data-parallel hooks of the training loop: joining a torchrun job, the settings it needs,
+and the combined step record. `fastgrpo.distributed` is imported only inside a job of more than one
+process."""
+
+from __future__ import annotations
+
+import os
+
+from fastgrpo.config import Config, ConfigError
+from fastgrpo.models.sources import resolve_device
+
+
+def join_world(config: Config):
+    """The data-parallel job this process is a rank of (started by torchrun with more than one
+    process), else None; `fastgrpo.distributed` is imported only then."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return None
+    check_data_parallel(config, size)  # before any process-group work: every rank says it
+    if config.model.device.startswith("cuda:"):
+        raise ConfigError(
+            f"model.device={config.model.device} under torchrun: each process takes the GPU of "
+            "its LOCAL_RANK; set model.device=cuda or auto (CUDA_VISIBLE_DEVICES picks the GPUs)"
+        )
+    from fastgrpo.distributed import join_torchrun
+
+    return join_torchrun(resolve_device(config.model.device).type)
+
+
+def check_data_parallel(config: Config, ranks: int) -> None:
+    """What a data-parallel job of `ranks` processes needs of the config (every rank checks, so
+    a bad setting ends every rank with the same one-line error)."""
+    prompts, minis = config.rollout.prompts_per_step, config.train.mini_batches
+    if prompts % (ranks * minis):
+        raise ConfigError(
+            f"rollout.prompts_per_step={prompts} must be a multiple of the {ranks} processes x "
+            f"train.mini_batches={minis}, so that every rank holds whole prompt groups of each "
+            f"mini-batch; e.g. --set rollout.prompts_per_step={ranks * minis * max(1, prompts // (ranks * minis))}"
+        )
+
+
+def gather_record(record: dict, world) -> dict:
+    from fastgrpo.distributed.metrics import gather_record as gather
+
+    return gather(record, world)
