@@ -9,6 +9,7 @@ counted in :attr:`RewardResult.failures`, and is logged (without spamming).
 """
 
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -21,6 +22,7 @@ from typing import Any
 
 from fastgrpo.rewards.format import answer_format
 from fastgrpo.rewards.math import math_accuracy
+from fastgrpo.rewards.overlong import overlong_penalty
 
 RewardFunction = Callable[..., Sequence[Any]]
 
@@ -29,10 +31,11 @@ logger = logging.getLogger("fastgrpo.rewards")
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "math_accuracy": math_accuracy,
     "answer_format": answer_format,
+    "overlong_penalty": overlong_penalty,
 }
 
 _USER_SPEC_HINT = "For your own reward use 'module.path:function' or 'path/to/file.py:function'."
-_SPEC_DICT_KEYS = {"name", "function", "weight"}
+_SPEC_DICT_KEYS = {"name", "function", "weight", "options"}
 
 
 def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
@@ -344,7 +347,16 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, RewardFunction, flo
     if not target:
         raise ValueError(f"Reward spec {dict(spec)!r} needs a 'name' or 'function'.")
     label = spec.get("name") if "function" in spec else None
-    return label or _default_name(target), resolve_reward(target), spec.get("weight", 1.0)
+    function = resolve_reward(target)
+    options = spec.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"Reward spec {dict(spec)!r}: 'options' must be a mapping of keyword arguments, "
+            f"e.g. options: {{overlong_buffer: 64}}"
+        )
+    if options:  # keyword arguments bound once, e.g. overlong_penalty's buffer and factor
+        function = functools.partial(function, **options)
+    return label or _default_name(target), function, spec.get("weight", 1.0)
 
 
 def _default_name(target: Any) -> str:

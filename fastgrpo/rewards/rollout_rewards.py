@@ -37,12 +37,22 @@ def reward_columns(examples: list, repeat: int) -> dict[str, list]:
 
 
 def score_rollout(
-    rewards: RewardSet, tokenizer, examples: list, rollout, samples: int
+    rewards: RewardSet,
+    tokenizer,
+    examples: list,
+    rollout,
+    samples: int,
+    max_completion_length: int | None = None,
 ) -> RolloutRewards:
-    """The rewards of a rollout of `samples` rows per example, rows grouped by example."""
+    """The rewards of a rollout of `samples` rows per example, rows grouped by example. Besides
+    the data's columns, rewards get `completion_lengths` (tokens) and `max_completion_length`
+    (the limit, default the rollout's width)."""
     completions = decode_completions(tokenizer, rollout)
     prompts = [ex.prompt for ex in examples for _ in range(samples)]
     columns = reward_columns(examples, samples)
+    limit = max_completion_length or rollout.completion_ids.shape[1]
+    columns["completion_lengths"] = rollout.lengths.tolist()
+    columns["max_completion_length"] = [limit] * len(completions)
     result = rewards(prompts, completions, columns)
     correct = rewards.values_of(math_accuracy, result)  # the default reward: scored above
     if correct is None:

@@ -51,7 +51,7 @@ def evaluate(
                 top_k=top_k,
                 top_p=top_p,
             )
-            scores = score_rollout(rewards, tokenizer, chunk, rollout, 1)
+            scores = score_rollout(rewards, tokenizer, chunk, rollout, 1, max_new_tokens)
             correct += sum(scores.correct)
             reward_total += sum(scores.result.total)
             length_total += rollout.lengths.sum().item()

@@ -380,7 +380,12 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
         rollout = sample_completions(config, trainer, examples, row_ids)
     with timer("reward"):
         scores = score_rollout(
-            trainer.rewards, trainer.tokenizer, examples, rollout, r.num_generations
+            trainer.rewards,
+            trainer.tokenizer,
+            examples,
+            rollout,
+            r.num_generations,
+            max_completion_length=r.max_new_tokens,
         )
         reward = to_device(torch.tensor(scores.result.total, dtype=torch.float32), model.device)
         batch_std = world.batch_std(reward) if world is not None else None  # all ranks' rows

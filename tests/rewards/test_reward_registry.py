@@ -14,6 +14,7 @@ from fastgrpo.rewards import (
     math_accuracy,
     resolve_reward,
 )
+from fastgrpo.rewards.overlong import overlong_penalty
 
 PROMPTS = ["What is 9 * 2?", "What is 9 * 2?", "What is 9 * 2?"]
 COMPLETIONS = ["9 * 2 = 18\n#### 18", "It is 17", "no idea"]
@@ -44,7 +45,8 @@ def short_reward(prompts, completions, **columns):
 def test_builtin_names_resolve_to_their_functions():
     assert resolve_reward("math_accuracy") is math_accuracy
     assert resolve_reward("answer_format") is answer_format
-    assert set(BUILTIN_REWARDS) == {"math_accuracy", "answer_format"}
+    assert resolve_reward("overlong_penalty") is overlong_penalty
+    assert set(BUILTIN_REWARDS) == {"math_accuracy", "answer_format", "overlong_penalty"}
 
 
 def test_unknown_builtin_name_suggests_the_nearest_and_lists_all():

@@ -475,3 +475,28 @@ def test_shared_prompts_give_the_per_row_training_curve(tiny_model_dir, tmp_path
     final_copies = weights(latest_checkpoint(tmp_path / "copies"))
     final_shared = weights(latest_checkpoint(tmp_path / "shared"))
     assert_same_update(tiny_model_dir, final_copies, final_shared, 1e-3)
+
+
+LENGTH_RECORDER = """
+import json, os
+
+def record_lengths(prompts, completions, completion_lengths, max_completion_length, **kwargs):
+    with open(os.environ["LENGTHS_FILE"], "a") as out:
+        out.write(json.dumps([completion_lengths, max_completion_length]) + "\\n")
+    return [0.0] * len(completions)
+"""
+
+
+def test_rewards_receive_each_completions_token_count_and_the_limit(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    (tmp_path / "lengths.py").write_text(LENGTH_RECORDER)
+    monkeypatch.setenv("LENGTHS_FILE", str(tmp_path / "lengths.jsonl"))
+    rewards = f"['{tmp_path / 'lengths.py'}:record_lengths']"
+    result = run_training(
+        None, overrides=tiny_overrides(tiny_model_dir, tmp_path / "run", steps=1, rewards=rewards)
+    )
+    lengths, limits = json.loads((tmp_path / "lengths.jsonl").read_text().splitlines()[0])
+    assert limits == [6] * 8  # rollout.max_new_tokens, once per completion
+    assert all(1 <= n <= 6 for n in lengths) and len(lengths) == 8
+    assert sum(lengths) / 8 == pytest.approx(result.history[0]["completion/mean_length"])
