@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list every valid key with its type, default and meaning instead",
     )
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's metrics as PNGs",
+        description="Write RUN_DIR/plots/by_step.png and by_time.png: reward and accuracy, "
+        "completion length and truncation, KL and entropy, clip fractions, seconds per phase "
+        "(needs matplotlib). A run writes them at its end too (run.plots).",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
     return parser
 
 
@@ -157,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"train": run_train, "eval": run_eval, "config": run_config}[args.command](args)
+        commands = {"train": run_train, "eval": run_eval, "config": run_config, "plot": run_plot}
+        return commands[args.command](args)
     except (UserError, RunStopped) as error:
         if switches.debug():
             raise
@@ -176,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + number
+
+
+def run_plot(args) -> int:
+    from fastgrpo.train.plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(f"wrote {path}")
+    return 0
 
 
 def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:

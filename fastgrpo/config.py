@@ -137,6 +137,7 @@ class RunConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept (each holds weights and optimizer state)
     progress: bool = True  # show a progress bar
     profile_steps: int = 0  # N: trace N steps (after the first) into <output_dir>/profile/
+    plots: bool = True  # write <output_dir>/plots/*.png at the end (needs matplotlib)
 
 
 def _default_rewards() -> list[Any]:

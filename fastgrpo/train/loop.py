@@ -19,7 +19,7 @@ import yaml
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import PromptSampler, TaskData, render_prompt
-from fastgrpo.errors import RunStopped
+from fastgrpo.errors import RunStopped, UserError
 from fastgrpo.models import Transformer
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import generate_rollout, release_engine
@@ -306,9 +306,22 @@ def _train(
                 f"`fastgrpo train --resume {run_dir}` runs the evaluation"
             )
             raise
+    if main and config.run.plots:
+        _write_plots(run_dir, metrics)
     metrics.close()
     release_engine(model)  # its KV cache and graphs go now, not at the next garbage collection
     return result
+
+
+def _write_plots(run_dir: Path, metrics) -> None:
+    from fastgrpo.train.plots import plot_run  # matplotlib, only now
+
+    try:
+        written = plot_run(run_dir)
+    except UserError as error:  # no matplotlib: the run is fine without its pictures
+        metrics.write(f"plots: skipped ({error})")
+        return
+    metrics.write(f"plots: wrote {', '.join(str(p) for p in written)}")
 
 
 def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -> None:

@@ -60,6 +60,7 @@ CHANGEABLE = frozenset(
         "run.save_every",
         "run.keep_checkpoints",
         "run.progress",
+        "run.plots",
     }
 )
 # where the run is and what this command profiles: neither is a property of the run

@@ -53,6 +53,7 @@ def tiny_overrides(model_dir, run_dir, steps=3, **extra) -> list[str]:
         "eval.after": False,
         "task.num_eval": 8,
         "rewards": "[math_accuracy, answer_format]",
+        "run.plots": False,  # pictures cost ~1.5 s of matplotlib; test_plots.py draws them
         **extra,
     }
     return [f"{k}={v}" for k, v in settings.items()]
