@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -258,6 +259,8 @@ def run_train(args) -> int:
     else:
         config = _load(args)  # the overrides are applied here
     result = run_training(config, resume=bool(args.resume), trust_run_code=args.trust_run_code)
+    if os.environ.get("RANK", "0") != "0":  # a data-parallel job: rank 0 reports it
+        return 128 + (result.stop_signal or signal.SIGTERM) if result.interrupted else 0
     before, after = result.eval_before, result.eval_after
     print(
         f"run folder: {result.run_dir} ({result.steps} steps{', interrupted' if result.interrupted else ''})"

@@ -43,6 +43,7 @@ def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_
     sets = [f"--set={item}" for item in tiny_overrides(tiny_model_dir, two, steps=2, **extra)]
     done = torchrun_train(sets)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("run folder:") == 1  # rank 0 reports the job
     a, b = weights(one), weights(two)
     assert a.keys() == b.keys()
     start = load_file(f"{tiny_model_dir}/model.safetensors")
