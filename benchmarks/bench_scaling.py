@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -52,10 +51,8 @@ def worker(args) -> None:
     tokenizer = synthetic_tokenizer(vocab)
     prompts = random_prompts(total, args.prompt_len, vocab, tokenizer)  # the same on every rank
     args.prompts = total
-    config, trainer, examples = fastgrpo_trainer(args, device, dtype, tokenizer, prompts)
-    if world.size > 1:  # one process runs as `fastgrpo train` does: no collectives
-        trainer.optimizer.world = world  # the gradients summed over the ranks
-        trainer.world = world
+    # one process runs as `fastgrpo train` does: build_trainer keeps no World of size 1
+    config, trainer, examples = fastgrpo_trainer(args, device, dtype, tokenizer, prompts, world)
     seconds, records = [], []
     for _ in range(args.warmup + args.steps):
         synchronize(device)
@@ -91,8 +88,7 @@ def run_job(args, processes: int) -> dict:
     argv += ["--strong"] * args.strong
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={processes}", "-m", "benchmarks.bench_scaling", "--worker", *argv]  # fmt: skip
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True)  # join_torchrun: no NVLS
     rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
     if done.returncode or not rows:
         ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]

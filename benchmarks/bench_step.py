@@ -143,12 +143,13 @@ def peak_gib(device, baseline: int) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
 
 
-def fastgrpo_trainer(args, device, dtype, tokenizer, prompts):
-    """(config, trainer, examples) for this workload: random policy (and reference) models."""
+def fastgrpo_trainer(args, device, dtype, tokenizer, prompts, world=None):
+    """(config, trainer, examples) for this workload: random policy (and reference) models;
+    `world`: the data-parallel job the trainer is a rank of (bench_scaling.py)."""
     config = step_config(args)
     model = random_native_model(args.shape, device, dtype)
     ref_model = random_native_model(args.shape, device, dtype) if args.beta else None
-    trainer = build_trainer(config, model, tokenizer, ref_model)
+    trainer = build_trainer(config, model, tokenizer, ref_model, world=world)
     return config, trainer, [Example(prompt=text, answer="0") for text in prompts]
 
 
