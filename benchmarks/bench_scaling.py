@@ -82,6 +82,13 @@ WORKER_OPTIONS = ("shape", "prompts_per_gpu", "prompts", "samples", "prompt_len"
                   "warmup", "device")  # fmt: skip
 
 
+def error_tail(stderr: str, lines: int = 60) -> str:
+    """What a failed torchrun job said: its ranks' own lines (tracebacks are tagged `[rankN]:`)
+    when there are any, else the end of its stderr; long enough to hold a whole traceback."""
+    ranks = [line for line in stderr.splitlines() if line.startswith("[rank")]
+    return "\n".join((ranks or stderr.splitlines())[-lines:])
+
+
 def run_job(args, processes: int) -> dict:
     """One torchrun job of `processes` workers; rank 0's row."""
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in WORKER_OPTIONS]
@@ -91,9 +98,7 @@ def run_job(args, processes: int) -> dict:
     done = subprocess.run(command, capture_output=True, text=True)  # join_torchrun: no NVLS
     rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
     if done.returncode or not rows:
-        ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
-        tail = ranks[-12:] or done.stderr.splitlines()[-12:]
-        sys.exit(f"{processes} processes failed:\n" + "\n".join(tail))
+        sys.exit(f"{processes} processes failed:\n" + error_tail(done.stderr))
     return json.loads(rows[-1])
 
 

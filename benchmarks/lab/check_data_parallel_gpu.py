@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.bench_scaling import error_tail
 from fastgrpo.train.checkpoint import latest_checkpoint
 from tests.conftest import build_tiny_model
 from tests.train.test_training_run import tiny_overrides, write_test_rewards
@@ -33,8 +34,7 @@ def train(model_dir, run_dir, rewards, dtype, nproc) -> float:
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
-        sys.exit(f"{' '.join(command[:6])} failed:\n" + "\n".join(ranks[-12:]))
+        sys.exit(f"{' '.join(command[:6])} failed:\n" + error_tail(done.stderr))
     return time.perf_counter() - start
 
 

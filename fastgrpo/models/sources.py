@@ -201,8 +201,11 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
+    """The device `model.device` names; a GPU always with its index (`cuda` and `auto` take the
+    current one, which a torchrun rank has set to its LOCAL_RANK), so that device comparisons in
+    the engine and the kernels see one name for one GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
@@ -213,6 +216,8 @@ def resolve_device(name: str = "auto") -> torch.device:
             f"model.device={name} but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); choose one of them, or auto."
         )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
