@@ -6,7 +6,8 @@ first 200 held-out problems every 10 steps by fastgrpo's own evaluator, the same
 
 - fastgrpo runs with its default settings for the device (on a GPU: bf16 weights stepped through
   fp32 master weights), in this process: first a cold run (seed 0: Triton compiles its kernels),
-  then one run per seed, warm.
+  then one run per seed, warm. `--nproc N` runs each as `fastgrpo train --nproc N` (data
+  parallel over N GPUs, the same global batch), a process per run.
 - TRL's GRPOTrainer (when `trl` and `datasets` import) runs the same settings, prompts, reward
   and evaluation with fp32 parameters, one run per seed.
 
@@ -24,12 +25,15 @@ import copy
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_rollout import commit  # noqa: E402
+from benchmarks.bench_scaling import error_tail
 from fastgrpo.config import load_config  # noqa: E402
 from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.models.loading import load_tokenizer
@@ -100,13 +104,28 @@ def masters_accuracy(args, seed: int, out_dir: Path) -> float | None:
     return accuracy
 
 
+def train_fastgrpo(args, seed: int, out_dir: Path) -> None:
+    """The job in this process, or (`--nproc N`) as `fastgrpo train --nproc N` runs it."""
+    overrides = job_overrides(args, seed) + [f"run.output_dir={out_dir}"]
+    if args.nproc == 1:
+        run_training(None, overrides=overrides)
+        return
+    command = [sys.executable, "-m", "fastgrpo", "train", "--nproc", str(args.nproc)]
+    done = subprocess.run(
+        command + [f"--set={o}" for o in overrides], capture_output=True, text=True
+    )
+    if done.returncode:
+        sys.exit(f"fastgrpo train --nproc {args.nproc} failed:\n" + error_tail(done.stderr))
+
+
 def run_fastgrpo(args, seed: int, out_dir: Path) -> dict:
     start = time.perf_counter()
-    result = run_training(None, overrides=job_overrides(args, seed) + [f"run.output_dir={out_dir}"])
+    train_fastgrpo(args, seed, out_dir)
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "time/step" in r]
     evals = {r["step"]: r["accuracy"] for r in records if r.get("kind") == "eval"}
+    after = {r["when"]: r["accuracy"] for r in records if r.get("kind") == "eval"}["after"]
     elapsed, curve = 0.0, [(0.0, evals[0])]
     for record in steps:
         elapsed += record["time/step"]
@@ -115,8 +134,8 @@ def run_fastgrpo(args, seed: int, out_dir: Path) -> dict:
     return {
         "method": "fastgrpo",
         "seed": seed,
-        "before": result.eval_before["accuracy"],
-        "after": result.eval_after["accuracy"],
+        "before": evals[0],
+        "after": after,
         "train_seconds": elapsed,
         "wall_seconds": wall,
         "peak_memory_gib": max(r["peak_memory_gib"] for r in steps),
@@ -338,6 +357,7 @@ def main() -> None:
         default=["fastgrpo", "trl"],
         help="trl: TRL with fp32 parameters; trl-autocast: the same under TRL's bf16 autocast",
     )
+    parser.add_argument("--nproc", type=int, default=1, help="fastgrpo's job on N GPUs (torchrun)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_learning"))
     parser.add_argument("--plot", type=Path, help="redraw the PNG of a saved result JSON")
     args = parser.parse_args()
@@ -380,6 +400,7 @@ def main() -> None:
         "torch": torch.__version__,
         "commit": commit(),
         "steps": args.steps,
+        "processes": args.nproc,
         "eval_problems": args.eval_problems,
         "seeds": args.seeds,
         "overrides": args.set,

@@ -191,10 +191,26 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     partial.chmod(0o755)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    if target.exists():  # another process finished first
+    if not (partial / "config.json").is_file():  # transformers writes nothing on ranks but 0
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ModelNotFoundError(
+            f"converting {gguf.name} wrote no model to {target.parent} (transformers saves only "
+            "on rank 0 of a distributed job); convert it once in one process, e.g. with "
+            f"`fastgrpo eval --model {gguf} --num 1`"
+        )
+    if (target / "config.json").is_file():  # another process (a torchrun rank) finished first
         shutil.rmtree(partial)
         return
-    os.replace(partial, target)
+    if target.exists():  # an incomplete folder (from outside this function): put ours instead
+        stale = Path(tempfile.mkdtemp(prefix=target.name + ".stale.", dir=target.parent))
+        os.replace(target, stale / "old")
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(partial, target)
+    except OSError:  # another process put its complete folder there in the meantime
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
 
 
 # ----------------------------------------------------------------------------- loading

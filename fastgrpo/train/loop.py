@@ -36,7 +36,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
-from fastgrpo.train.parallel import gather_record, join_world
+from fastgrpo.train.parallel import gather_record, join_world, local_main_first
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.resume import (
     changed_settings,
@@ -183,7 +183,8 @@ def _train(
     check_enough_prompts(config, task)
     rewards = build_rewards(config)
     model_name = str(checkpoint / "model") if checkpoint else config.model.name
-    model, tokenizer, _ = load_configured_model(config, model_name)
+    with local_main_first(world):  # a GGUF is converted (a hub model downloaded) once a machine
+        model, tokenizer, _ = load_configured_model(config, model_name)
     check_fused_lm_head(config, model)  # fail here, before loading the reference or any rollout
     ref_model = None
     if config.algo.beta != 0:

