@@ -13,6 +13,7 @@ is one torchrun job (`--worker`), whose rank 0 prints its row.
 
     python -m benchmarks.bench_scaling                   # 1, 2, 4 ... up to the visible GPUs
     python -m benchmarks.bench_scaling --strong --prompts 32
+    python -m benchmarks.bench_scaling --shape 7B --parallel sharded --beta 0 --gradient-checkpointing --counts 4
     python -m benchmarks.bench_scaling --tiny --device cpu --counts 1 2 --steps 1 --warmup 0
 """
 
@@ -70,7 +71,12 @@ def worker(args) -> None:
         "seconds_per_step": median,
         "completion_tokens_per_s": tokens / median,
         "peak_memory_gib": max(r["peak_memory_gib"] for r in timed),  # the largest rank's
-        "phases": {p: statistics.median(r[f"time/{p}"] for r in timed) for p in PHASES},
+        "phases": {
+            p: statistics.median(r[f"time/{p}"] for r in timed)
+            for p in (*PHASES, "weight_gather")
+            if f"time/{p}" in timed[0]
+        },
+        "parallel": trainer.parallel,
     }
     if world.is_main:
         print("ROW " + json.dumps(row), flush=True)
@@ -79,7 +85,7 @@ def worker(args) -> None:
 
 WORKER_OPTIONS = ("shape", "prompts_per_gpu", "prompts", "samples", "prompt_len",
                   "completion_len", "beta", "micro_batch_tokens", "master_weights", "steps",
-                  "warmup", "device")  # fmt: skip
+                  "warmup", "device", "parallel")  # fmt: skip
 
 
 def error_tail(stderr: str, lines: int = 60) -> str:
@@ -92,7 +98,7 @@ def error_tail(stderr: str, lines: int = 60) -> str:
 def run_job(args, processes: int) -> dict:
     """One torchrun job of `processes` workers; rank 0's row."""
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in WORKER_OPTIONS]
-    argv += ["--strong"] * args.strong
+    argv += ["--strong"] * args.strong + ["--gradient-checkpointing"] * args.gradient_checkpointing
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={processes}", "-m", "benchmarks.bench_scaling", "--worker", *argv]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)  # join_torchrun: no NVLS
@@ -104,7 +110,18 @@ def run_job(args, processes: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("0.5B", "1.5B", "tiny"), default="0.5B")
+    parser.add_argument("--shape", choices=("0.5B", "1.5B", "7B", "tiny"), default="0.5B")
+    parser.add_argument(
+        "--parallel",
+        choices=("auto", "replicated", "sharded"),
+        default="auto",
+        help="train.parallel: the optimizer state replicated or sharded",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer in the backward pass (the 7B shape needs it)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
     parser.add_argument("--strong", action="store_true", help="one global batch split N ways")
     parser.add_argument("--prompts-per-gpu", type=int, default=8, help="weak scaling")
@@ -129,7 +146,8 @@ def main() -> None:
     counts = args.counts or [n for n in (1, 2, 4, 8) if n <= visible]
     rows = [run_job(args, n) for n in counts]
     base = rows[0]
-    print(f"{'processes':>9} {'prompts':>7} {'s/step':>7} {'tok/s':>9} {'x 1':>6} {'peak GiB':>8}")
+    print(f"{'processes':>9} {'prompts':>7} {'s/step':>7} {'tok/s':>9} {'x 1':>6} {'peak GiB':>8} "
+          f"{'gather s':>8}  parallel")  # fmt: skip
     for row in rows:
         speedup = row["completion_tokens_per_s"] / base["completion_tokens_per_s"]
         row["speedup"] = (
@@ -137,9 +155,12 @@ def main() -> None:
         )
         print(f"{row['processes']:>9} {row['prompts']:>7} {row['seconds_per_step']:>7.3f} "
               f"{row['completion_tokens_per_s']:>9,.0f} {row['speedup']:>6.2f} "
-              f"{row['peak_memory_gib']:>8.2f}")  # fmt: skip
+              f"{row['peak_memory_gib']:>8.2f} {row['phases'].get('weight_gather', 0):>8.3f}  "
+              f"{row['parallel'].split(':')[-1].split(',')[0].strip() or 'one process'}")  # fmt: skip
     workload = {k: getattr(args, k) for k in ("shape", "strong", "prompts_per_gpu", "prompts",
-                                              "samples", "prompt_len", "completion_len", "beta")}  # fmt: skip
+                                              "samples", "prompt_len", "completion_len", "beta",
+                                              "parallel", "gradient_checkpointing",
+                                              "micro_batch_tokens")}  # fmt: skip
     print_result_line("scaling", rows, device=args.device if args.device == "cpu" else None,
                       workload=workload)  # fmt: skip
 

@@ -115,8 +115,9 @@ def step_config(args) -> Config:
     config.train.mini_batches = 1
     config.train.micro_batch_tokens = args.micro_batch_tokens
     config.train.steps = args.warmup + args.steps
-    config.model.gradient_checkpointing = False
+    config.model.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
     config.train.master_weights = args.master_weights
+    config.train.parallel = getattr(args, "parallel", "auto")  # bench_scaling.py's jobs
     config.rewards = [{"function": distinct_reward}]
     validate(config)
     return config

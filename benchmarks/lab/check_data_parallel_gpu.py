@@ -2,7 +2,7 @@
 and by `fastgrpo train --nproc N`, in fp32 (where the two must agree) and in bf16 (where it must
 run: NCCL, fp32 master gradients summed, fused kernels per rank).
 
-    python -m benchmarks.lab.check_data_parallel_gpu --nproc 2
+    python -m benchmarks.lab.check_data_parallel_gpu --nproc 2 [--parallel sharded]
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from tests.conftest import build_tiny_model
 from tests.train.test_training_run import tiny_overrides, write_test_rewards
 
 
-def train(model_dir, run_dir, rewards, dtype, nproc) -> float:
+def train(model_dir, run_dir, rewards, dtype, nproc, parallel="auto") -> float:
     extra = {"model.device": "cuda", "model.dtype": dtype, "rollout.prompts_per_step": 4,
-             "train.mini_batches": 2, "algo.beta": 0.04, "rewards": rewards}  # fmt: skip
+             "train.mini_batches": 2, "algo.beta": 0.04, "rewards": rewards,
+             "train.parallel": parallel}  # fmt: skip
     sets = [f"--set={s}" for s in tiny_overrides(model_dir, run_dir, steps=2, **extra)]
     command = [sys.executable, "-m", "fastgrpo", "train", *sets]
     if nproc > 1:
@@ -46,6 +47,7 @@ def weights(run_dir) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--parallel", default="auto", choices=("auto", "replicated", "sharded"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     model_dir = str(build_tiny_model(root / "model"))
@@ -55,7 +57,7 @@ def main() -> None:
         one, many = root / f"one-{dtype}", root / f"many-{dtype}"
         seconds = [
             train(model_dir, one, rewards, dtype, 1),
-            train(model_dir, many, rewards, dtype, args.nproc),
+            train(model_dir, many, rewards, dtype, args.nproc, args.parallel),
         ]
         a, b = weights(one), weights(many)
         diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
@@ -67,7 +69,7 @@ def main() -> None:
               f"wall {seconds[0]:.1f} s / {seconds[1]:.1f} s")  # fmt: skip
     print(json.dumps({"bench": "check_data_parallel_gpu", "gpus": torch.cuda.device_count(),
                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "nproc": args.nproc, "results": rows}))  # fmt: skip
+                      "nproc": args.nproc, "parallel": args.parallel, "results": rows}))  # fmt: skip
 
 
 if __name__ == "__main__":

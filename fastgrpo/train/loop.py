@@ -216,6 +216,8 @@ def _train(
         )
     else:
         metrics = SilentMetrics()
+    if trainer.parallel:
+        metrics.write(trainer.parallel)
     if checkpoint is not None and main:
         record_changes(run_dir, step, changes)
         for key, (old, new) in changes.items():
@@ -255,13 +257,16 @@ def _train(
                 and step < config.train.steps
             ):
                 evaluate_now(step, "during")
-            if main and (
+            if (
                 stop.requested
                 or step == config.train.steps
                 or (config.run.save_every and step % config.run.save_every == 0)
             ):
+                optimizer_state = optimizer.state_dict()  # sharded: gathered, by every rank
+                if not main:
+                    continue
                 state = {
-                    "optimizer": optimizer.state_dict(),
+                    "optimizer": optimizer_state,
                     "scheduler": scheduler.state_dict(),
                     "sampler": sampler.state_dict(),
                     "processes": world.size if world is not None else 1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -14,7 +15,9 @@ class ModelOptimizer:
 
     `zero_grad`, then backward passes, then `step`: the same calls with or without masters.
     With a `world` (`distributed.World`, a data-parallel job), `step` first sums the gradients
-    over the ranks, each rank's loss being divided by the global batch's counts already.
+    over the ranks, each rank's loss being divided by the global batch's counts already. With
+    `sharded` as well, each rank keeps the fp32 masters, gradients and moments of 1/N of the
+    weights (`distributed/sharded.py`); `state_dict` still gives the one-process format.
     """
 
     def __init__(
@@ -29,11 +32,16 @@ class ModelOptimizer:
         rounding: str = "stochastic",
         seed: int = 0,
         world=None,
+        sharded: bool = False,
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is off)")
-        self.masters = None
+        self.world = world if world is not None and world.size > 1 else None
+        self.masters = self.sharded = None
+        if sharded and self.world is not None:
+            self._shard(learning_rate, weight_decay, betas, eps, rounding, seed)
+            return
         stepped = self.params
         if wants_masters(master_weights, self.params):  # bf16/fp16 ones get fp32 masters
             low = [p for p in self.params if p.dtype in LOW_PRECISION]
@@ -50,21 +58,41 @@ class ModelOptimizer:
             groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
         )
         self._stepped = stepped
-        self.world = world if world is not None and world.size > 1 else None
+
+    def _shard(self, learning_rate, weight_decay, betas, eps, rounding, seed) -> None:
+        from fastgrpo.distributed.sharded import ShardedMasters
+
+        low = [p for p in self.params if p.dtype in LOW_PRECISION]
+        order = low + [p for p in self.params if p.dtype not in LOW_PRECISION]  # as unsharded
+        groups = [[p for p in order if p.dim() >= 2], [p for p in order if p.dim() < 2]]
+        self.sharded = ShardedMasters(groups, self.world, rounding, seed)
+        self._low = low
+        decays = [weight_decay, 0.0]
+        adam_groups = [
+            {"params": [flat], "weight_decay": decay}
+            for flat, decay in zip(self.sharded.flats, [d for g, d in zip(groups, decays) if g])
+        ]
+        fused = all(f.is_cuda for f in self.sharded.flats)
+        self.adamw = torch.optim.AdamW(
+            adam_groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
+        )
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
     def step(
-        self, max_grad_norm: float, loss: torch.Tensor | None = None
+        self, max_grad_norm: float, loss: torch.Tensor | None = None, timer=None
     ) -> tuple[torch.Tensor | None, bool]:
         """Clip the gradients (max_grad_norm > 0) and step AdamW, unless the gradient norm or
         `loss` is NaN/inf: then the gradients are dropped and nothing changes. Returns the
         gradient norm before clipping as a 0-d tensor on the device (None when nothing had a
         gradient) and whether the step was taken (False: skipped as non-finite). In a
         data-parallel job the gradients are summed over the ranks first, and a step is skipped on
-        every rank when it is non-finite on any."""
+        every rank when it is non-finite on any. `timer` (a PhaseTimer) times a sharded job's
+        weight gather as its own phase."""
+        if self.sharded is not None:
+            return self._sharded_step(max_grad_norm, loss, timer)
         if self.world is not None and not self._sum_gradients_over_ranks():
             return None, True
         if self.masters is not None and not self.masters.load_gradients():
@@ -95,6 +123,27 @@ class ModelOptimizer:
             self.masters.release_gradients()
         return norm, True
 
+    def _sharded_step(self, max_grad_norm, loss, timer) -> tuple[torch.Tensor | None, bool]:
+        shards = self.sharded
+        if not shards.reduce_gradients():
+            return None, True
+        grads = shards.gradients()
+        squares = torch.stack(torch._foreach_norm(grads)).square().sum()
+        norm = self.world.sum(squares).sqrt()  # every rank's shards: the whole gradient's norm
+        finite = bool(
+            (torch.isfinite(norm) if loss is None else torch.isfinite(norm + loss)).item()
+        )
+        if self.world.any(not finite, norm.device):
+            shards.release_gradients()
+            return norm, False
+        if max_grad_norm > 0:
+            torch._foreach_mul_(grads, (max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        self.adamw.step()
+        shards.release_gradients()
+        with timer("weight_gather") if timer is not None else nullcontext():
+            shards.gather_weights()
+        return norm, True
+
     def _sum_gradients_over_ranks(self) -> bool:
         """Before a data-parallel step: False (every rank skips it) when no rank has a gradient;
         else each parameter without one here gets zeros, and without masters the gradients are
@@ -110,6 +159,11 @@ class ModelOptimizer:
         return True
 
     def state_dict(self) -> dict:
+        """The optimizer's state to save: its moments, masters and rounding stream. A sharded
+        job's is gathered into the one-process format (a collective: every rank calls it; the
+        state is rank 0's, the other ranks get an empty dict)."""
+        if self.sharded is not None:
+            return self._gathered_state()
         state = {"adamw": self.adamw.state_dict()}
         if self.masters is not None:
             state["master_weights"] = self.masters.state_dict()
@@ -119,12 +173,66 @@ class ModelOptimizer:
     def load_state_dict(self, state: dict) -> None:
         if "adamw" not in state:  # a checkpoint from before master weights: AdamW's own state
             state = {"adamw": state}
+        if self.sharded is not None:
+            return self._load_shards(state)
         self.adamw.load_state_dict(state["adamw"])
         if self.masters is not None and "master_weights" in state:
             self.masters.load_state_dict(state["master_weights"])
         if self.masters is not None and "rounding_rng" in state:
             self.masters.generator.set_state(state["rounding_rng"].cpu())
         # else: no saved masters; they were copied from the loaded model's weights already
+
+    def _gathered_state(self) -> dict:
+        shards = self.sharded
+        states = [self.adamw.state.get(flat, {}) for flat in shards.flats]
+        masters = shards.full_values(shards.flats)
+        moments = {}
+        if states[0]:  # after the first step (every rank has stepped as often)
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments[key] = shards.full_values([s[key] for s in states])
+        if not self.world.is_main:
+            return {}
+        per_param = {}
+        if moments:
+            step = states[0]["step"].detach().float().cpu()
+            per_param = {
+                i: {"step": step.clone(), "exp_avg": avg, "exp_avg_sq": sq}
+                for i, (avg, sq) in enumerate(zip(moments["exp_avg"], moments["exp_avg_sq"]))
+            }
+        index = {id(p): i for i, p in enumerate(shards.params)}
+        groups = []
+        for group, params in zip(self.adamw.param_groups, shards.groups):
+            settings = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**settings, "params": [index[id(p)] for p in params]})
+        state = {"adamw": {"state": per_param, "param_groups": groups}}
+        if self._low:
+            state["master_weights"] = [masters[index[id(p)]] for p in self._low]
+        return state
+
+    @torch.no_grad()
+    def _load_shards(self, state: dict) -> None:
+        shards = self.sharded
+        saved = dict(zip(map(id, self._low), state.get("master_weights", [])))
+        values = [saved.get(id(p), p.detach()) for p in shards.params]  # no masters: the weights
+        for flat, piece in zip(shards.flats, shards.shards_of(values)):
+            flat.copy_(piece)
+        per_param = state["adamw"]["state"]
+        if not per_param:
+            return
+        moments = {
+            key: shards.shards_of([per_param[i][key] for i in range(len(shards.params))])
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        step = float(per_param[0]["step"])
+        shards.gathers = int(step)  # the rounding's stream goes on where it was
+        for k, flat in enumerate(shards.flats):
+            self.adamw.state[flat] = {
+                "step": torch.tensor(
+                    step, dtype=torch.float32, device=flat.device if flat.is_cuda else "cpu"
+                ),
+                "exp_avg": moments["exp_avg"][k],
+                "exp_avg_sq": moments["exp_avg_sq"][k],
+            }
 
 
 def build_scheduler(

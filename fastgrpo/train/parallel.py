@@ -40,6 +40,44 @@ def check_data_parallel(config: Config, ranks: int) -> None:
         )
 
 
+REPLICATED_FRACTION = 0.6
+"""auto shards once the replicated state would take more than this fraction of a GPU: the rest
+holds the KV cache, the activations and the LM head's chunks."""
+
+
+def choose_parallel(config: Config, model, world) -> tuple[bool, str]:
+    """(shard the optimizer state?, the line that says what was chosen and why) for a
+    data-parallel job; train.parallel=auto estimates the bytes per GPU of replicated state."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
+    width = params[0].element_size()
+    masters = width < 4 and config.train.master_weights != "off"
+    # weights + gradients, the fp32 masters with their fp32 gradients, and AdamW's two moments
+    per_param = 2 * width + (8 if masters else 0) + 2 * (4 if masters else width)
+    reference = count * width if config.algo.beta else 0
+    replicated = count * per_param + reference
+    sharded = count * (2 * width + 16 / world.size) + reference  # fp32 shards in any case
+    mode = config.train.parallel
+    device = params[0].device
+    if mode == "auto":
+        total = (
+            torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        )
+        mode = "sharded" if total and replicated > REPLICATED_FRACTION * total else "replicated"
+        why = f" (train.parallel=auto: replicated state would need ~{replicated / 2**30:.1f} GiB"
+        why += f" of the GPU's {total / 2**30:.0f} GiB)" if total else ")"
+    else:
+        why = ""
+    gib = (sharded if mode == "sharded" else replicated) / 2**30
+    line = (
+        f"data parallel over {world.size} processes: {mode} optimizer state, ~{gib:.1f} GiB of "
+        f"weights, gradients and optimizer state per process{why}"
+    )
+    return mode == "sharded", line
+
+
 @contextmanager
 def local_main_first(world):
     """Run the body on each machine's local rank 0 first, then on its other ranks: a model that

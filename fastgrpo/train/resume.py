@@ -50,6 +50,7 @@ CHANGEABLE = frozenset(
         "train.max_grad_norm",
         "train.micro_batch_tokens",
         "train.fused_lm_head",
+        "train.parallel",  # a sharded run saves the one-process state: any layout continues it
         "eval.num_problems",
         "eval.temperature",
         "eval.max_new_tokens",

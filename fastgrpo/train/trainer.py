@@ -17,6 +17,7 @@ from fastgrpo.data import DatasetError, TaskData, build_task
 from fastgrpo.models import Transformer, load_model, stop_token_ids
 from fastgrpo.rewards import RewardSet
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
+from fastgrpo.train.parallel import choose_parallel
 from fastgrpo.train.precision import rounded_away_fraction
 from fastgrpo.train.step_loss import LossSettings, MicroBatchLoss, choose_loss
 from fastgrpo.train.update import use_fused_lm_head
@@ -39,6 +40,7 @@ class Trainer:
     loss: MicroBatchLoss  # chosen once: the reference or a fused LM-head path
     fused: bool  # the fused LM-head kernels score and train
     world: object | None = None  # the data-parallel job (distributed.World), None in one process
+    parallel: str = ""  # a data-parallel job's choice of train.parallel, in words
 
 
 def build_task_data(config: Config) -> TaskData:
@@ -144,6 +146,9 @@ def build_trainer(
         ref_model.requires_grad_(False).eval()
     t = config.train
     check_training_precision(config, model)
+    sharded, parallel = False, ""
+    if world is not None and world.size > 1:
+        sharded, parallel = choose_parallel(config, model, world)
     optimizer = ModelOptimizer(
         model,
         learning_rate=t.learning_rate,
@@ -154,6 +159,7 @@ def build_trainer(
         rounding=t.bf16_rounding,
         seed=t.seed,
         world=world,
+        sharded=sharded,
     )
     scheduler = build_scheduler(
         optimizer.adamw,
@@ -174,6 +180,7 @@ def build_trainer(
         choose_loss(settings, fused),
         fused,
         world if world is not None and world.size > 1 else None,
+        parallel,
     )
 
 

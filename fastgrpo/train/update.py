@@ -57,7 +57,8 @@ def update_policy(
     An optimizer step whose loss or gradient norm is NaN/inf is skipped (the weights and AdamW's
     state stay as they were) and counted in "skipped_steps".
     `timer` gets the phases update (forward and backward passes) and optimizer (clipping, AdamW,
-    the bf16 refresh from the fp32 masters and the schedule, summed over the optimizer steps).
+    the bf16 refresh from the fp32 masters and the schedule, summed over the optimizer steps), and
+    in a sharded data-parallel job weight_gather (the whole weights put back together).
     """
     totals = _Totals(device=next(model.parameters()).device)
     model.train()
@@ -66,7 +67,7 @@ def update_policy(
             optimizer.zero_grad()
             mini_loss = _accumulate_gradients(model, mini, loss, totals)
             with timer("optimizer"):
-                norm, stepped = optimizer.step(max_grad_norm, mini_loss)
+                norm, stepped = optimizer.step(max_grad_norm, mini_loss, timer)
                 totals.add_norm(norm)
                 totals.skipped += not stepped
                 scheduler.step()  # a skipped step keeps the schedule: it is a step of the run

@@ -35,15 +35,21 @@ def weights(run_dir) -> dict:
     return out
 
 
+PARALLEL = ["replicated", "sharded"]
+
+
 @pytest.mark.slow
-def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_path, parallel):
     one, two = tmp_path / "one", tmp_path / "two"
     extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
     run_training(None, overrides=tiny_overrides(tiny_model_dir, one, steps=2, **extra))
+    extra["train.parallel"] = parallel
     sets = [f"--set={item}" for item in tiny_overrides(tiny_model_dir, two, steps=2, **extra)]
     done = torchrun_train(sets)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run folder:") == 1  # rank 0 reports the job
+    assert done.stdout.count(f"data parallel over 2 processes: {parallel} optimizer state") == 1
     a, b = weights(one), weights(two)
     assert a.keys() == b.keys()
     start = load_file(f"{tiny_model_dir}/model.safetensors")
@@ -74,10 +80,12 @@ def torchrun_train(sets: list[str], *extra: str, timeout: float = 300, cache=Non
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallel", PARALLEL)
 def test_a_two_process_run_resumed_takes_the_step_an_uninterrupted_one_takes(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, parallel
 ):
     extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    extra["train.parallel"] = parallel
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     sets = lambda run, steps: [  # noqa: E731
         f"--set={s}" for s in tiny_overrides(tiny_model_dir, run, steps=steps, **extra)
@@ -140,13 +148,18 @@ def test_a_gpu_index_under_torchrun_is_one_line_before_joining(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(tiny_model_dir, tmp_path):
-    """The state is replicated and every row samples by its global number: another process
-    count continues the run (within fp32 summation noise), and the change is recorded."""
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(
+    tiny_model_dir, tmp_path, parallel
+):
+    """A checkpoint holds the one-process state (a sharded job gathers it) and every row samples
+    by its global number: another process count continues the run (within fp32 summation
+    noise), and the change is recorded."""
     extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_training(None, overrides=tiny_overrides(tiny_model_dir, straight, steps=2, **extra))
-    sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, halves, steps=1, **extra)]
+    two = {**extra, "train.parallel": parallel}
+    sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, halves, steps=1, **two)]
     assert torchrun_train(sets).returncode == 0
     from fastgrpo.train import load_resume_config
 

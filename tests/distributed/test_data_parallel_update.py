@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig
 
 from fastgrpo.algo import group_advantages
-from fastgrpo.distributed import World
+from fastgrpo.distributed import World, sharded
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.batching import plan_update
@@ -73,10 +73,11 @@ def global_batch(seed: int = 1) -> tuple[Rollout, torch.Tensor]:
     return rollout, advantages
 
 
-def run_update(loss_type: str, beta: float, world: World | None) -> dict:
+def run_update(loss_type: str, beta: float, world: World | None, sharded: bool = False) -> dict:
     """Two epochs over two mini-batches on this process's share of the global batch: the
-    gradients AdamW stepped with (summed over the ranks) at each of the 4 steps, and the
-    parameters after."""
+    gradients AdamW stepped with (summed over the ranks) at each of the 4 steps (not recorded
+    when `sharded`: AdamW then steps each rank's shard), the parameters after, and the
+    optimizer's state in the one-process format."""
     policy, reference = tiny_models()
     rollout, advantages = global_batch()
     if world is not None:  # this rank's prompt groups, whole
@@ -101,8 +102,9 @@ def run_update(loss_type: str, beta: float, world: World | None) -> dict:
         score_reference(reference, plan, temperature=1.0, token_budget=40, fused=False)
     score_old(policy, plan, temperature=1.0, fused=False)
     optimizer = ModelOptimizer(
-        policy, learning_rate=1e-3, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8, world=world
-    )
+        policy, learning_rate=1e-3, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8, world=world,
+        sharded=sharded,
+    )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.adamw, lambda step: 1.0)
     grads, adamw_step = [], optimizer.adamw.step
 
@@ -110,7 +112,8 @@ def run_update(loss_type: str, beta: float, world: World | None) -> dict:
         grads.append(torch.cat([p.grad.flatten() for p in optimizer.params]))
         return adamw_step(*args, **kwargs)
 
-    optimizer.adamw.step = recorded_step
+    if not sharded:
+        optimizer.adamw.step = recorded_step
     update_policy(
         policy,
         optimizer,
@@ -121,7 +124,12 @@ def run_update(loss_type: str, beta: float, world: World | None) -> dict:
         max_grad_norm=1.0,
         timer=PhaseTimer(torch.device("cpu")),
     )
-    return {"grads": grads, "params": [p.detach().clone() for p in policy.parameters()]}
+    state = optimizer.state_dict()  # a collective when sharded
+    return {
+        "grads": grads,
+        "params": [p.detach().clone() for p in policy.parameters()],
+        "state": state,
+    }
 
 
 def _rank_main(rank: int, size: int, store: str, out: str) -> None:
@@ -130,6 +138,8 @@ def _rank_main(rank: int, size: int, store: str, out: str) -> None:
     try:
         world = World(rank, size)
         results = {f"{t}-{b}": run_update(t, b, world) for t, b in LOSSES}
+        sharded.BUCKET_ELEMENTS = 1000  # many buckets; some parameters larger than one
+        results.update({f"sharded-{t}-{b}": run_update(t, b, world, True) for t, b in LOSSES})
         rewards = world.share(list(torch.arange(8.0).pow(1.5).split(2)))  # groups of 2
         results["batch_std"] = world.batch_std(torch.cat(rewards))
         if world.is_main:
@@ -168,6 +178,32 @@ def test_two_processes_give_the_one_process_update_of_the_same_global_batch(
     for a, b in zip(one["params"], two["params"], strict=True):
         assert float((a - b).norm() / a.norm()) < 1e-6
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), LOSSES)
+def test_two_processes_with_sharded_optimizer_state_give_the_one_process_update(
+    two_process_results, loss_type, beta
+):
+    """train.parallel=sharded: each rank steps half of every fp32 master and moment, then the
+    ranks gather the weights; the parameters and the optimizer state (gathered into the
+    one-process format) match one process's."""
+    one = run_update(loss_type, beta, world=None)
+    two = two_process_results[f"sharded-{loss_type}-{beta}"]
+    for a, b in zip(one["params"], two["params"], strict=True):
+        assert float((a - b).norm() / a.norm()) < 1e-6
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    mine, theirs = one["state"]["adamw"], two["state"]["adamw"]
+    assert [g["params"] for g in theirs["param_groups"]] == [
+        g["params"] for g in mine["param_groups"]
+    ]
+    assert [g["weight_decay"] for g in theirs["param_groups"]] == [0.01, 0.0]
+    assert theirs["state"].keys() == mine["state"].keys()
+    for i, state in mine["state"].items():
+        assert float(theirs["state"][i]["step"]) == float(state["step"]) == 4
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = state[key], theirs["state"][i][key]
+            assert a.shape == b.shape
+            assert float((a - b).norm() / a.norm().clamp(min=1e-30)) < 1e-4, (i, key)
 
 
 def test_the_batch_std_of_two_shares_is_the_std_of_the_whole_batch(two_process_results):

@@ -1,0 +1,199 @@
+"""Sharded optimizer state (`train.parallel: sharded`): every rank keeps the fp32 master weights,
+the fp32 gradients and AdamW's two moments of 1/N of the weights; the weights themselves (bf16, or
+fp32) stay whole on every rank, because each rank's rollout engine reads them whole.
+
+Bytes per parameter on each GPU, bf16 weights with fp32 masters:
+  replicated  2 (weight) + 2 (gradient) + 4 (master) + 8 (moments) + 4 (fp32 gradient, in the step) = 20
+  sharded     2 (weight) + 2 (gradient) + 16 / N
+so a 7B model needs about 152 GB replicated and 61 GB sharded over 4 GPUs. This is ZeRO stage 2
+(FSDP's SHARD_GRAD_OP): the weights are not sharded.
+
+Layout. The parameters AdamW steps fall into the weight-decay group (matrices) and the no-decay
+group (vectors); each group is cut into buckets of consecutive parameters of one dtype (about
+`BUCKET_ELEMENTS` each), and each bucket is padded to a multiple of N. Rank r holds elements
+[r*s, (r+1)*s) of every bucket (s = padded size / N), one flat fp32 tensor per group, which AdamW
+steps as a single parameter. After the backward passes, one reduce-scatter per bucket sums the
+ranks' gradients, in fp32, into the owners' shards (the bf16 gradients are freed bucket by bucket);
+after AdamW, every rank rounds its shard to the weights' dtype and one all-gather per bucket puts
+the whole weights back together on every rank: the weight gather.
+
+The state a checkpoint holds is the one-process format (one master and two moments per parameter),
+gathered bucket by bucket: a sharded run resumes on any number of processes, or on one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+BUCKET_ELEMENTS = 1 << 25  # 32M elements: 128 MiB of fp32 in flight per collective
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 (the GPU image) has only the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Bucket:
+    """Consecutive parameters of one group and dtype, padded to `shard * ranks` elements; this
+    rank's `shard` elements sit at `offset` in its group's flat shard."""
+
+    def __init__(self, params: list[torch.nn.Parameter], ranks: int, offset: int):
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.shard = -(-self.numel // ranks)
+        self.padded = self.shard * ranks
+        self.offset = offset
+        self.dtype = params[0].dtype
+
+    def flat(self, tensors, dtype=torch.float32) -> torch.Tensor:
+        """One tensor per parameter (None: zeros) as the bucket's padded flat tensor."""
+        device = self.params[0].device
+        out = torch.zeros(self.padded, dtype=dtype, device=device)
+        views = out[: self.numel].split(self.sizes)
+        for view, t in zip(views, tensors):
+            if t is not None:
+                view.copy_(t.reshape(-1))
+        return out
+
+    def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The padded flat tensor cut back into the parameters' shapes (views)."""
+        return [v.view_as(p) for v, p in zip(flat[: self.numel].split(self.sizes), self.params)]
+
+
+def _buckets(group: list, ranks: int, limit: int) -> list[_Bucket]:
+    out, current, size, offset = [], [], 0, 0
+    for p in group:
+        if current and (size + p.numel() > limit or p.dtype != current[0].dtype):
+            out.append(_Bucket(current, ranks, offset))
+            offset += out[-1].shard
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        out.append(_Bucket(current, ranks, offset))
+    return out
+
+
+class ShardedMasters:
+    """This rank's shard of the fp32 masters (`flats`, one nn.Parameter per non-empty group, for
+    AdamW to step) and of their gradients, for the parameters in `groups` (decay, no-decay).
+
+    `reduce_gradients` after the backward passes, then the optimizer's clip and step on `flats`,
+    then `gather_weights`; `release_gradients` frees the fp32 gradient shards."""
+
+    def __init__(
+        self,
+        groups: list[list[torch.nn.Parameter]],
+        world,
+        rounding: str = "stochastic",
+        seed: int = 0,
+        bucket_elements: int | None = None,
+    ):
+        self.world = world
+        self.groups = [g for g in groups if g]
+        self.params = [p for g in self.groups for p in g]
+        if not self.params:
+            raise ValueError("ShardedMasters needs at least one parameter")
+        limit = bucket_elements or BUCKET_ELEMENTS
+        self.buckets = [_buckets(g, world.size, limit) for g in self.groups]
+        self.flats = []
+        with torch.no_grad():
+            for buckets in self.buckets:
+                parts = [self._mine(b.flat([p.detach() for p in b.params])) for b in buckets]
+                self.flats.append(torch.nn.Parameter(torch.cat(parts)))
+        self.stochastic = rounding == "stochastic" and all(
+            p.dtype == torch.bfloat16 for p in self.params
+        )
+        self.seed = seed
+        self.generator = torch.Generator(device=self.params[0].device)
+        self.gathers = 0  # weight gathers so far: with the seed and rank, the rounding's stream
+
+    def _mine(self, padded: torch.Tensor) -> torch.Tensor:
+        shard = padded.numel() // self.world.size
+        return padded[self.world.rank * shard : (self.world.rank + 1) * shard]
+
+    def _slice(self, group: int, bucket: _Bucket, flat: torch.Tensor | None = None):
+        flat = self.flats[group] if flat is None else flat
+        return flat[bucket.offset : bucket.offset + bucket.shard]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> bool:
+        """Sum the parameters' gradients over the ranks into this rank's fp32 gradient shards
+        (freeing each bf16 gradient once sent); False, on every rank, when no rank has one."""
+        present = any(p.grad is not None for p in self.params)
+        if not self.world.any(present, self.params[0].device):
+            return False
+        for g, buckets in enumerate(self.buckets):
+            self.flats[g].grad = torch.empty_like(self.flats[g])
+            for b in buckets:
+                full = b.flat([p.grad for p in b.params])
+                _reduce_scatter(self._slice(g, b, self.flats[g].grad), full)
+                for p in b.params:
+                    p.grad = None
+        return True
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [f.grad for f in self.flats]
+
+    def release_gradients(self) -> None:
+        for f in self.flats:
+            f.grad = None
+
+    @torch.no_grad()
+    def gather_weights(self) -> None:
+        """Round this rank's masters to the weights' dtype (stochastically for bf16, as
+        `MasterWeights.refresh` does) and put every rank's pieces into the whole weights."""
+        self.gathers += 1
+        if self.stochastic:  # a stream of its own per rank and gather: resumes exactly
+            self.generator.manual_seed(
+                (self.seed * 1_000_003 + self.world.rank) * 1_000_003 + self.gathers
+            )
+        for g, buckets in enumerate(self.buckets):
+            for b in buckets:
+                mine = self._slice(g, b)
+                if b.dtype == torch.float32:
+                    piece = mine
+                elif self.stochastic:  # bf16 is fp32's upper half: add 16 random low bits, cut
+                    bits = torch.empty_like(mine).view(torch.int32)
+                    bits.random_(0, 1 << 16, generator=self.generator)
+                    bits.add_(mine.view(torch.int32)).bitwise_and_(-(1 << 16))
+                    piece = bits.view(torch.float32).to(b.dtype)  # exact
+                else:
+                    piece = mine.to(b.dtype)
+                full = torch.empty(b.padded, dtype=b.dtype, device=mine.device)
+                _all_gather(full, piece)
+                torch._foreach_copy_([p.detach() for p in b.params], b.pieces(full))
+
+    # ------------------------------------------------------------------ the one-process format
+
+    @torch.no_grad()
+    def full_values(self, shards: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Per parameter (in `params` order), the whole fp32 tensor of which `shards` (one per
+        group, like `flats`) hold this rank's pieces, on the CPU of rank 0 (None elsewhere). A
+        collective: every rank calls it."""
+        out = []
+        for g, buckets in enumerate(self.buckets):
+            for b in buckets:
+                full = torch.empty(b.padded, dtype=torch.float32, device=shards[g].device)
+                _all_gather(full, self._slice(g, b, shards[g]).contiguous())
+                pieces = b.pieces(full)
+                out += [p.cpu() for p in pieces] if self.world.is_main else [None] * len(pieces)
+        return out
+
+    @torch.no_grad()
+    def shards_of(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's pieces (one flat tensor per group) of whole per-parameter tensors given in
+        `params` order, on any device."""
+        out, i = [], 0
+        for buckets in self.buckets:
+            parts = []
+            for b in buckets:
+                tensors = values[i : i + len(b.params)]
+                i += len(b.params)
+                flat = torch.zeros(b.padded, dtype=torch.float32)
+                for view, t in zip(flat[: b.numel].split(b.sizes), tensors):
+                    view.copy_(t.reshape(-1))
+                parts.append(self._mine(flat))
+            out.append(torch.cat(parts).to(self.params[0].device))
+        return out
