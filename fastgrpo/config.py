@@ -111,10 +111,10 @@ class TrainConfig:
     # and the loss use; it learned more in benchmarks/results/bf16_rounding_ab_h200.txt)
     bf16_rounding: str = "stochastic"  # stochastic | nearest: rounding of bf16 weights
     seed: int = 0  # seed of the prompt order and of the sampling
-    # several processes (torchrun): replicated keeps the whole optimizer state on every GPU
-    # (DDP); sharded keeps 1/N of the fp32 masters, gradients and moments on each (ZeRO-2),
-    # the weights staying whole for the rollout engines; auto: replicated while it fits a GPU
-    parallel: str = "auto"  # auto | replicated | sharded: optimizer state across processes
+    # several processes (torchrun): sharded keeps 1/N of the fp32 masters, gradients and AdamW
+    # moments on each GPU (ZeRO-2; the weights stay whole for the rollout engines); replicated
+    # keeps all of it on every GPU (DDP); auto: sharded, measured faster and smaller
+    parallel: str = "auto"  # auto (sharded) | replicated | sharded: optimizer state over processes
     # a step whose loss or gradient norm is NaN/inf is skipped; this many in a row stop the run
     max_nonfinite_steps: int = 3  # stop after this many skipped (NaN/inf) steps in a row
     # a reward failing (raising, or giving NaN/None) on more than this fraction of a step's

@@ -243,3 +243,23 @@ def test_ranks_records_combine_as_the_whole_batch_would_show():
         "reward_failures/fmt": 2,
         "step": 7,
     }
+
+
+def test_auto_shards_the_optimizer_state_and_says_the_bytes_per_process():
+    from fastgrpo.config import Config
+    from fastgrpo.train.parallel import choose_parallel
+
+    model = torch.nn.Linear(1 << 14, 1 << 14, bias=False, device="meta", dtype=torch.bfloat16)
+    config = Config()  # 2^28 bf16 weights with fp32 masters: 20 bytes each, or 2 + 2 + 16 / 4
+    sharded, line = choose_parallel(config, model, World(0, 4))
+    assert sharded
+    assert (
+        "4 processes: sharded optimizer state, ~2.0 GiB" in line and "~5.0 GiB replicated" in line
+    )
+    config.train.parallel, config.algo.beta = "replicated", 0.04  # + a bf16 reference: 0.5 GiB
+    sharded, line = choose_parallel(config, model, World(0, 4))
+    assert (
+        not sharded
+        and "replicated optimizer state, ~5.5 GiB" in line
+        and "~2.5 GiB sharded" in line
+    )
