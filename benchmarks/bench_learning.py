@@ -35,6 +35,7 @@ import torch
 from benchmarks.bench_rollout import commit  # noqa: E402
 from benchmarks.bench_scaling import error_tail
 from fastgrpo.config import load_config  # noqa: E402
+from fastgrpo.distributed.sharded import read_one_process_state
 from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.models.loading import load_tokenizer
 from fastgrpo.models.sources import resolve_device, resolve_dtype, resolve_model
@@ -91,9 +92,11 @@ def masters_accuracy(args, seed: int, out_dir: Path) -> float | None:
     """The trained fp32 master weights (the final checkpoint's), evaluated in fp32: how much of
     the bf16 model's accuracy is its bf16 inference. None for a run without masters."""
     state = load_trainer_state(latest_checkpoint(out_dir))["optimizer"]
-    if "master_weights" not in state:
-        return None
     model, tokenizer, _ = load_model(args.model, dtype="float32", device=args.device)
+    if "shards" in state:  # a sharded job's: every parameter was bf16 with an fp32 master
+        state = read_one_process_state(state, list(model.parameters()), lambda p: True)
+    if not state.get("master_weights"):
+        return None
     with torch.no_grad():
         params = [p for p in model.parameters() if p.requires_grad]  # ModelOptimizer's order
         for param, master in zip(params, state["master_weights"], strict=True):

@@ -23,6 +23,8 @@ gathered bucket by bucket: a sharded run resumes on any number of processes, or 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -95,7 +97,7 @@ class ShardedMasters:
         self.params = [p for g in self.groups for p in g]
         if not self.params:
             raise ValueError("ShardedMasters needs at least one parameter")
-        limit = bucket_elements or BUCKET_ELEMENTS
+        limit = self.bucket_elements = bucket_elements or BUCKET_ELEMENTS
         self.buckets = [_buckets(g, world.size, limit) for g in self.groups]
         self.flats = []
         with torch.no_grad():
@@ -165,26 +167,12 @@ class ShardedMasters:
                 _all_gather(full, piece)
                 torch._foreach_copy_([p.detach() for p in b.params], b.pieces(full))
 
-    # ------------------------------------------------------------------ the one-process format
-
-    @torch.no_grad()
-    def full_values(self, shards: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Per parameter (in `params` order), the whole fp32 tensor of which `shards` (one per
-        group, like `flats`) hold this rank's pieces, on the CPU of rank 0 (None elsewhere). A
-        collective: every rank calls it."""
-        out = []
-        for g, buckets in enumerate(self.buckets):
-            for b in buckets:
-                full = torch.empty(b.padded, dtype=torch.float32, device=shards[g].device)
-                _all_gather(full, self._slice(g, b, shards[g]).contiguous())
-                pieces = b.pieces(full)
-                out += [p.cpu() for p in pieces] if self.world.is_main else [None] * len(pieces)
-        return out
+    # ------------------------------------------------------------------ checkpoints
 
     @torch.no_grad()
     def shards_of(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's pieces (one flat tensor per group) of whole per-parameter tensors given in
-        `params` order, on any device."""
+        """This rank's pieces (one flat fp32 tensor per group, like `flats`) of whole
+        per-parameter tensors given in `params` order (a one-process checkpoint's)."""
         out, i = [], 0
         for buckets in self.buckets:
             parts = []
@@ -197,3 +185,77 @@ class ShardedMasters:
                 parts.append(self._mine(flat))
             out.append(torch.cat(parts).to(self.params[0].device))
         return out
+
+    def checkpoint_tensors(self, adamw, with_moments: bool = True) -> dict:
+        """This rank's masters and AdamW moments as DTensors of every bucket's whole (unpadded)
+        flat tensor, sharded as `torch.chunk` cuts it: what torch.distributed.checkpoint writes,
+        each rank its own pieces, and reads back into the same tensors on any number of ranks
+        (the keys depend on the parameters and the bucket size, not on the ranks). The DTensors'
+        local tensors are views of the shards, so a load fills them in place."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if getattr(self, "_mesh", None) is None:
+            self._mesh = init_device_mesh(self.params[0].device.type, (self.world.size,))
+        kinds = {"master": self.flats}
+        if with_moments:
+            states = [adamw.state[f] for f in self.flats]
+            kinds |= {key: [s[key] for s in states] for key in ("exp_avg", "exp_avg_sq")}
+        out = {}
+        for kind, shards in kinds.items():
+            for g, buckets in enumerate(self.buckets):
+                for k, b in enumerate(buckets):
+                    valid = max(0, min(b.shard, b.numel - self.world.rank * b.shard))
+                    local = self._slice(g, b, shards[g].data)[:valid]
+                    out[f"{kind}/{g}/{k}"] = DTensor.from_local(
+                        local, self._mesh, [Shard(0)], run_check=False,
+                        shape=torch.Size([b.numel]), stride=(1,),
+                    )  # fmt: skip
+        return out
+
+
+def group_parameters(params: list, low_precision) -> list[list]:
+    """AdamW's two groups (matrices: weight decay; vectors: none) in the order a one-process
+    ModelOptimizer steps them: the low-precision parameters' masters first, then the others."""
+    order = [p for p in params if low_precision(p)] + [p for p in params if not low_precision(p)]
+    return [[p for p in order if p.dim() >= 2], [p for p in order if p.dim() < 2]]
+
+
+def read_one_process_state(meta: dict, params: list, low_precision) -> dict:
+    """A sharded checkpoint's optimizer state (`meta`: what rank 0 saved; `meta["shards"]`: the
+    folder torch.distributed.checkpoint wrote) in the one-process format: AdamW's state per
+    parameter and the masters of the low-precision ones. Reads whole tensors, so it runs in
+    one process, or in each of a replicated job's."""
+    import torch.distributed.checkpoint as dcp
+
+    groups = [g for g in group_parameters(params, low_precision) if g]
+    layout = [_buckets(g, 1, meta["bucket_elements"]) for g in groups]
+    kinds = ("master", "exp_avg", "exp_avg_sq") if meta["stepped"] else ("master",)
+    flats = {
+        f"{kind}/{g}/{k}": torch.zeros(b.numel)
+        for kind in kinds
+        for g, buckets in enumerate(layout)
+        for k, b in enumerate(buckets)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(flats, checkpoint_id=meta["shards"])
+    ordered = [p for g in groups for p in g]
+    values = {kind: [] for kind in kinds}
+    for kind in kinds:
+        for g, buckets in enumerate(layout):
+            for k, b in enumerate(buckets):
+                values[kind] += [t.clone() for t in b.pieces(flats[f"{kind}/{g}/{k}"])]
+    state = {}
+    if meta["stepped"]:
+        step = torch.tensor(float(meta["step"]))
+        state = {
+            i: {"step": step.clone(), "exp_avg": avg, "exp_avg_sq": sq}
+            for i, (avg, sq) in enumerate(zip(values["exp_avg"], values["exp_avg_sq"]))
+        }
+    index = {id(p): i for i, p in enumerate(ordered)}
+    masters = [values["master"][index[id(p)]] for p in params if low_precision(p)]
+    return {
+        "adamw": {"state": state, "param_groups": meta["param_groups"]},
+        "master_weights": masters,
+    }

@@ -94,6 +94,12 @@ class World:
         """Wait for every rank."""
         dist.barrier()
 
+    def broadcast(self, value):
+        """Rank 0's `value` (any picklable object) on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def any(self, flag: bool, device: torch.device | str) -> bool:
         """Whether `flag` holds on at least one rank."""
         value = torch.tensor(float(flag), device=device)

@@ -131,6 +131,7 @@ def save_checkpoint(
     trainer_state: dict,
     config: dict,
     keep: int = 2,
+    write_shards=None,
 ) -> Path:
     """Write checkpoint `step` atomically, then drop all but the newest `keep`; its folder.
 
@@ -157,6 +158,8 @@ def save_checkpoint(
             model.save_pretrained(partial / "model")
         tokenizer.save_pretrained(partial / "model")
         torch.save(state, partial / STATE_FILE)
+        if write_shards is not None:  # a sharded job: every rank writes its optimizer shards
+            write_shards(partial)
         (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if final.exists():  # the same step saved again: set the old copy aside first
             _remove(final)
@@ -219,7 +222,16 @@ def _intact(run_dir: str | Path, failed: Path) -> str:
 
 def load_trainer_state(checkpoint: Path, *, trust: bool = False) -> dict:
     """The checkpoint's trainer state, loaded with weights_only=True. A file that needs full
-    unpickling (an older fastgrpo's, or crafted to run code) is refused unless `trust`."""
+    unpickling (an older fastgrpo's, or crafted to run code) is refused unless `trust`. A sharded
+    job's optimizer state names the folder of its shards, made absolute here."""
+    state = _read_state(Path(checkpoint), trust)
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, dict) and "shards" in optimizer:
+        optimizer["shards"] = str(Path(checkpoint) / optimizer["shards"])
+    return state
+
+
+def _read_state(checkpoint: Path, trust: bool) -> dict:
     path = checkpoint / STATE_FILE
     try:
         try:

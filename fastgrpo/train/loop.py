@@ -262,8 +262,12 @@ def _train(
                 or step == config.train.steps
                 or (config.run.save_every and step % config.run.save_every == 0)
             ):
-                optimizer_state = optimizer.state_dict()  # sharded: gathered, by every rank
+                optimizer_state = optimizer.state_dict()
+                # a sharded job's ranks each write their optimizer shards into rank 0's folder
+                shards = optimizer.save_shards if optimizer.sharded is not None else None
                 if not main:
+                    if shards is not None:
+                        shards(None)
                     continue
                 state = {
                     "optimizer": optimizer_state,
@@ -279,6 +283,7 @@ def _train(
                     trainer_state=state,
                     config=config.to_dict(),
                     keep=config.run.keep_checkpoints,
+                    write_shards=shards,
                 )
                 metrics.write(
                     f"checkpoint: saved {where} ({checkpoint_size(where)}; the newest "

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
 from fastgrpo.train.precision import LOW_PRECISION, MasterWeights, wants_masters
+
+SHARDS_FOLDER = (
+    "optimizer_shards"  # in a checkpoint of a sharded job: every rank's masters, moments
+)
 
 
 class ModelOptimizer:
@@ -60,13 +65,10 @@ class ModelOptimizer:
         self._stepped = stepped
 
     def _shard(self, learning_rate, weight_decay, betas, eps, rounding, seed) -> None:
-        from fastgrpo.distributed.sharded import ShardedMasters
+        from fastgrpo.distributed.sharded import ShardedMasters, group_parameters
 
-        low = [p for p in self.params if p.dtype in LOW_PRECISION]
-        order = low + [p for p in self.params if p.dtype not in LOW_PRECISION]  # as unsharded
-        groups = [[p for p in order if p.dim() >= 2], [p for p in order if p.dim() < 2]]
+        groups = group_parameters(self.params, _low_precision)  # as one process steps them
         self.sharded = ShardedMasters(groups, self.world, rounding, seed)
-        self._low = low
         decays = [weight_decay, 0.0]
         adam_groups = [
             {"params": [flat], "weight_decay": decay}
@@ -160,10 +162,9 @@ class ModelOptimizer:
 
     def state_dict(self) -> dict:
         """The optimizer's state to save: its moments, masters and rounding stream. A sharded
-        job's is gathered into the one-process format (a collective: every rank calls it; the
-        state is rank 0's, the other ranks get an empty dict)."""
+        job's is only what describes its shards, which every rank writes with `save_shards`."""
         if self.sharded is not None:
-            return self._gathered_state()
+            return self._shards_description()
         state = {"adamw": self.adamw.state_dict()}
         if self.masters is not None:
             state["master_weights"] = self.masters.state_dict()
@@ -171,9 +172,15 @@ class ModelOptimizer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if "adamw" not in state:  # a checkpoint from before master weights: AdamW's own state
+        if "adamw" not in state and "shards" not in state:  # from before master weights
             state = {"adamw": state}
-        if self.sharded is not None:
+        if "shards" in state and self.sharded is not None:
+            return self._load_checkpoint_shards(state)
+        if "shards" in state:  # a sharded run's checkpoint, continued without sharding
+            from fastgrpo.distributed.sharded import read_one_process_state
+
+            state = read_one_process_state(state, self.params, _low_precision)
+        if self.sharded is not None:  # a one-process (or replicated) checkpoint, now sharded
             return self._load_shards(state)
         self.adamw.load_state_dict(state["adamw"])
         if self.masters is not None and "master_weights" in state:
@@ -182,37 +189,60 @@ class ModelOptimizer:
             self.masters.generator.set_state(state["rounding_rng"].cpu())
         # else: no saved masters; they were copied from the loaded model's weights already
 
-    def _gathered_state(self) -> dict:
-        shards = self.sharded
-        states = [self.adamw.state.get(flat, {}) for flat in shards.flats]
-        masters = shards.full_values(shards.flats)
-        moments = {}
-        if states[0]:  # after the first step (every rank has stepped as often)
-            for key in ("exp_avg", "exp_avg_sq"):
-                moments[key] = shards.full_values([s[key] for s in states])
-        if not self.world.is_main:
-            return {}
-        per_param = {}
-        if moments:
-            step = states[0]["step"].detach().float().cpu()
-            per_param = {
-                i: {"step": step.clone(), "exp_avg": avg, "exp_avg_sq": sq}
-                for i, (avg, sq) in enumerate(zip(moments["exp_avg"], moments["exp_avg_sq"]))
+    def _shards_description(self) -> dict:
+        stepped = bool(self.adamw.state.get(self.sharded.flats[0]))
+        index = {id(p): i for i, p in enumerate(self.sharded.params)}
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [index[id(p)] for p in params],
             }
-        index = {id(p): i for i, p in enumerate(shards.params)}
-        groups = []
-        for group, params in zip(self.adamw.param_groups, shards.groups):
-            settings = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**settings, "params": [index[id(p)] for p in params]})
-        state = {"adamw": {"state": per_param, "param_groups": groups}}
-        if self._low:
-            state["master_weights"] = [masters[index[id(p)]] for p in self._low]
-        return state
+            for group, params in zip(self.adamw.param_groups, self.sharded.groups)
+        ]
+        step = float(self.adamw.state[self.sharded.flats[0]]["step"]) if stepped else 0.0
+        return {"shards": SHARDS_FOLDER, "bucket_elements": self.sharded.bucket_elements,
+                "stepped": stepped, "step": step, "param_groups": groups}  # fmt: skip
+
+    def save_shards(self, checkpoint: Path | None) -> None:
+        """Every rank writes its masters and moments into the checkpoint folder rank 0 is
+        writing (`checkpoint` on rank 0; the others pass None and are told), through
+        torch.distributed.checkpoint. A collective."""
+        import torch.distributed.checkpoint as dcp
+
+        folder = self.world.broadcast(None if checkpoint is None else str(checkpoint))
+        stepped = bool(self.adamw.state.get(self.sharded.flats[0]))
+        tensors = self.sharded.checkpoint_tensors(self.adamw, with_moments=stepped)
+        dcp.save(tensors, checkpoint_id=Path(folder) / SHARDS_FOLDER)
+
+    @torch.no_grad()
+    def _load_checkpoint_shards(self, meta: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        shards = self.sharded
+        if meta["bucket_elements"] != shards.bucket_elements:
+            raise ValueError(
+                f"the checkpoint's optimizer shards use buckets of {meta['bucket_elements']} "
+                f"elements and this fastgrpo {shards.bucket_elements}; resume with the fastgrpo "
+                "version that wrote it"
+            )
+        if meta["stepped"]:
+            for flat in shards.flats:
+                where = flat.device if flat.is_cuda else "cpu"
+                self.adamw.state[flat] = {
+                    "step": torch.tensor(meta["step"], dtype=torch.float32, device=where),
+                    "exp_avg": torch.zeros_like(flat),
+                    "exp_avg_sq": torch.zeros_like(flat),
+                }
+        dcp.load(
+            shards.checkpoint_tensors(self.adamw, meta["stepped"]), checkpoint_id=meta["shards"]
+        )
+        shards.gathers = int(meta["step"])  # the rounding's stream goes on where it was
 
     @torch.no_grad()
     def _load_shards(self, state: dict) -> None:
         shards = self.sharded
-        saved = dict(zip(map(id, self._low), state.get("master_weights", [])))
+        low = [p for p in self.params if _low_precision(p)]
+        saved = dict(zip(map(id, low), state.get("master_weights", [])))
         values = [saved.get(id(p), p.detach()) for p in shards.params]  # no masters: the weights
         for flat, piece in zip(shards.flats, shards.shards_of(values)):
             flat.copy_(piece)
@@ -233,6 +263,10 @@ class ModelOptimizer:
                 "exp_avg": moments["exp_avg"][k],
                 "exp_avg_sq": moments["exp_avg_sq"][k],
             }
+
+
+def _low_precision(param) -> bool:
+    return param.dtype in LOW_PRECISION
 
 
 def build_scheduler(

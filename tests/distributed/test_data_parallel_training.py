@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from fastgrpo.train import run_training
 from fastgrpo.train.checkpoint import latest_checkpoint
+from fastgrpo.train.optim import SHARDS_FOLDER
 from tests.train.test_training_run import tiny_overrides, write_test_rewards
 
 EXTRA = {
@@ -161,6 +162,8 @@ def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(
     two = {**extra, "train.parallel": parallel}
     sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, halves, steps=1, **two)]
     assert torchrun_train(sets).returncode == 0
+    shards = halves / "checkpoints" / "step_000001" / SHARDS_FOLDER
+    assert len(list(shards.glob("*.distcp"))) == (2 if parallel == "sharded" else 0)
     from fastgrpo.train import load_resume_config
 
     config = load_resume_config(str(halves), ["train.steps=2"], trust_run_code=True)
@@ -188,3 +191,23 @@ def test_the_default_model_on_a_fresh_machine_is_converted_once_and_trains_on_tw
     assert [p.name for p in converted] == ["smollm2-135m-instruct"]  # no partial folders left
     assert (converted[0] / "config.json").is_file() and any(converted[0].glob("*.safetensors"))
     assert done.stderr.count("converting ") == 1  # one rank converted it
+
+
+@pytest.mark.slow
+def test_a_one_process_run_resumed_by_two_sharded_processes_continues_the_same_run(
+    tiny_model_dir, tmp_path
+):
+    """The one-process checkpoint's masters and moments are cut into the two ranks' shards."""
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run_training(None, overrides=tiny_overrides(tiny_model_dir, straight, steps=2, **extra))
+    run_training(None, overrides=tiny_overrides(tiny_model_dir, halves, steps=1, **extra))
+    resumed = torchrun_train(
+        ["--set=train.steps=2", "--set=train.parallel=sharded"],
+        "--resume", str(halves), "--trust-run-code",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: processes 1 -> 2" in resumed.stdout
+    a, b = weights(straight), weights(halves)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +20,11 @@ from transformers import LlamaConfig
 
 from fastgrpo.algo import group_advantages
 from fastgrpo.distributed import World, sharded
+from fastgrpo.distributed.sharded import read_one_process_state
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.batching import plan_update
-from fastgrpo.train.optim import ModelOptimizer
+from fastgrpo.train.optim import SHARDS_FOLDER, ModelOptimizer
 from fastgrpo.train.profiling import PhaseTimer
 from fastgrpo.train.scoring import score_old, score_reference
 from fastgrpo.train.step_loss import LossSettings, choose_loss
@@ -73,11 +75,13 @@ def global_batch(seed: int = 1) -> tuple[Rollout, torch.Tensor]:
     return rollout, advantages
 
 
-def run_update(loss_type: str, beta: float, world: World | None, sharded: bool = False) -> dict:
+def run_update(
+    loss_type: str, beta: float, world: World | None, sharded: bool = False, shards=None
+) -> dict:
     """Two epochs over two mini-batches on this process's share of the global batch: the
     gradients AdamW stepped with (summed over the ranks) at each of the 4 steps (not recorded
     when `sharded`: AdamW then steps each rank's shard), the parameters after, and the
-    optimizer's state in the one-process format."""
+    optimizer's state (`sharded`: its description, the shards written to the folder `shards`)."""
     policy, reference = tiny_models()
     rollout, advantages = global_batch()
     if world is not None:  # this rank's prompt groups, whole
@@ -124,7 +128,10 @@ def run_update(loss_type: str, beta: float, world: World | None, sharded: bool =
         max_grad_norm=1.0,
         timer=PhaseTimer(torch.device("cpu")),
     )
-    state = optimizer.state_dict()  # a collective when sharded
+    state = optimizer.state_dict()
+    if sharded:  # every rank writes its pieces of the masters and moments
+        optimizer.save_shards(shards if world.is_main else None)
+        state["shards"] = str(shards / SHARDS_FOLDER)
     return {
         "grads": grads,
         "params": [p.detach().clone() for p in policy.parameters()],
@@ -139,7 +146,9 @@ def _rank_main(rank: int, size: int, store: str, out: str) -> None:
         world = World(rank, size)
         results = {f"{t}-{b}": run_update(t, b, world) for t, b in LOSSES}
         sharded.BUCKET_ELEMENTS = 1000  # many buckets; some parameters larger than one
-        results.update({f"sharded-{t}-{b}": run_update(t, b, world, True) for t, b in LOSSES})
+        for t, b in LOSSES:
+            shards = Path(out).parent / f"shards-{t}-{b}"
+            results[f"sharded-{t}-{b}"] = run_update(t, b, world, True, shards)
         rewards = world.share(list(torch.arange(8.0).pow(1.5).split(2)))  # groups of 2
         results["batch_std"] = world.batch_std(torch.cat(rewards))
         if world.is_main:
@@ -185,14 +194,17 @@ def test_two_processes_with_sharded_optimizer_state_give_the_one_process_update(
     two_process_results, loss_type, beta
 ):
     """train.parallel=sharded: each rank steps half of every fp32 master and moment, then the
-    ranks gather the weights; the parameters and the optimizer state (gathered into the
-    one-process format) match one process's."""
+    ranks gather the weights; the parameters match one process's, and the optimizer state the
+    ranks wrote (torch.distributed.checkpoint), read back in the one-process format, matches
+    one process's state."""
     one = run_update(loss_type, beta, world=None)
     two = two_process_results[f"sharded-{loss_type}-{beta}"]
     for a, b in zip(one["params"], two["params"], strict=True):
         assert float((a - b).norm() / a.norm()) < 1e-6
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    mine, theirs = one["state"]["adamw"], two["state"]["adamw"]
+    params = list(tiny_models()[0].parameters())
+    read = read_one_process_state(two["state"], params, lambda p: p.dtype != torch.float32)
+    mine, theirs = one["state"]["adamw"], read["adamw"]
     assert [g["params"] for g in theirs["param_groups"]] == [
         g["params"] for g in mine["param_groups"]
     ]
