@@ -13,7 +13,8 @@ from fastgrpo.train.precision import LOW_PRECISION, MasterWeights, wants_masters
 class ModelOptimizer:
     """AdamW over a model's trainable parameters, or over their fp32 masters (`precision.py`).
 
-    `zero_grad`, then backward passes, then `step`: the same calls with or without masters.
+    `zero_grad`, then backward passes (the last under `last_backward()`), then `step`: the same
+    calls with or without masters.
     With a `world` (`distributed.World`, a data-parallel job), `step` first sums the gradients
     over the ranks, each rank's loss being divided by the global batch's counts already. With
     `sharded` as well, each rank keeps the fp32 masters, gradients and moments of 1/N of the
@@ -38,7 +39,7 @@ class ModelOptimizer:
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is off)")
         self.world = world if world is not None and world.size > 1 else None
-        self.masters = self.sharded = None
+        self.masters = self.sharded = self.reduction = None
         if sharded and self.world is not None:
             self._shard(learning_rate, weight_decay, betas, eps, rounding, seed)
             return
@@ -60,12 +61,14 @@ class ModelOptimizer:
         self._stepped = stepped
 
     def _shard(self, learning_rate, weight_decay, betas, eps, rounding, seed) -> None:
+        from fastgrpo.distributed.overlap import OverlappedReduction
         from fastgrpo.distributed.sharded import ShardedMasters
 
         low = [p for p in self.params if p.dtype in LOW_PRECISION]
         order = low + [p for p in self.params if p.dtype not in LOW_PRECISION]  # as unsharded
         groups = [[p for p in order if p.dim() >= 2], [p for p in order if p.dim() < 2]]
         self.sharded = ShardedMasters(groups, self.world, rounding, seed)
+        self.reduction = OverlappedReduction(self.sharded, self.params)
         self._low = low
         decays = [weight_decay, 0.0]
         adam_groups = [
@@ -76,6 +79,13 @@ class ModelOptimizer:
         self.adamw = torch.optim.AdamW(
             adam_groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
         )
+
+    def last_backward(self):
+        """A context for the mini-batch's last backward pass (only that one: ranks may run
+        different numbers of micro-batches). In a sharded job each bucket's reduce-scatter
+        starts as soon as its gradients are final, overlapping the rest of the backward; else
+        it changes nothing."""
+        return self.reduction.last_backward() if self.reduction is not None else nullcontext()
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -125,7 +135,7 @@ class ModelOptimizer:
 
     def _sharded_step(self, max_grad_norm, loss, timer) -> tuple[torch.Tensor | None, bool]:
         shards = self.sharded
-        if not shards.reduce_gradients():
+        if not self.reduction.finish():
             return None, True
         grads = shards.gradients()
         squares = torch.stack(torch._foreach_norm(grads)).square().sum()
