@@ -73,13 +73,22 @@ def global_batch(seed: int = 1) -> tuple[Rollout, torch.Tensor]:
     return rollout, advantages
 
 
-def run_update(loss_type: str, beta: float, world: World | None, sharded: bool = False) -> dict:
-    """Two epochs over two mini-batches on this process's share of the global batch: the
-    gradients AdamW stepped with (summed over the ranks) at each of the 4 steps (not recorded
-    when `sharded`: AdamW then steps each rank's shard), the parameters after, and the
-    optimizer's state in the one-process format."""
+def run_update(
+    loss_type: str,
+    beta: float,
+    world: World | None,
+    sharded: bool = False,
+    *,
+    batch: tuple[Rollout, torch.Tensor] | None = None,
+    token_budget: int = 40,
+) -> dict:
+    """Two epochs over two mini-batches on this process's share of the global batch (`batch`,
+    else `global_batch()`): the gradients AdamW stepped with (summed over the ranks) at each of
+    the 4 steps (not recorded when `sharded`: AdamW then steps each rank's shard), the parameters
+    after, the optimizer's state in the one-process format, and the completion tokens of each
+    micro-batch of each mini-batch."""
     policy, reference = tiny_models()
-    rollout, advantages = global_batch()
+    rollout, advantages = global_batch() if batch is None else batch
     if world is not None:  # this rank's prompt groups, whole
         groups = world.share(list(range(PROMPTS)))
         rows = [p * GROUP + i for p, i in itertools.product(groups, range(GROUP))]
@@ -93,7 +102,7 @@ def run_update(loss_type: str, beta: float, world: World | None, sharded: bool =
         rollout,
         advantages,
         mini_batches=2,
-        token_budget=40,  # several micro-batches per mini-batch
+        token_budget=token_budget,  # 40: several micro-batches per mini-batch
         zero_gradient_rows=settings.zero_gradient_rows_possible,
         packed=True,
         world=world,
@@ -129,6 +138,7 @@ def run_update(loss_type: str, beta: float, world: World | None, sharded: bool =
         "grads": grads,
         "params": [p.detach().clone() for p in policy.parameters()],
         "state": state,
+        "tokens": [[int(mb.rollout.completion_mask.sum()) for mb in mini.micro] for mini in plan],
     }
 
 
