@@ -12,10 +12,11 @@ Layout. The parameters AdamW steps fall into the weight-decay group (matrices) a
 group (vectors); each group is cut into buckets of consecutive parameters of one dtype (about
 `BUCKET_ELEMENTS` each), and each bucket is padded to a multiple of N. Rank r holds elements
 [r*s, (r+1)*s) of every bucket (s = padded size / N), one flat fp32 tensor per group, which AdamW
-steps as a single parameter. After the backward passes, one reduce-scatter per bucket sums the
-ranks' gradients, in fp32, into the owners' shards (the bf16 gradients are freed bucket by bucket);
-after AdamW, every rank rounds its shard to the weights' dtype and one all-gather per bucket puts
-the whole weights back together on every rank: the weight gather.
+steps as a single parameter. One reduce-scatter per bucket sums the ranks' gradients, in fp32,
+into the owners' shards (the bf16 gradients are freed bucket by bucket), most of them during the
+mini-batch's last backward pass (`overlap.py`); after AdamW, every rank rounds its shard to the
+weights' dtype and one all-gather per bucket puts the whole weights back together on every rank:
+the weight gather.
 
 The state a checkpoint holds is the one-process format (one master and two moments per parameter),
 gathered bucket by bucket: a sharded run resumes on any number of processes, or on one.
@@ -81,8 +82,9 @@ class ShardedMasters:
     """This rank's shard of the fp32 masters (`flats`, one nn.Parameter per non-empty group, for
     AdamW to step) and of their gradients, for the parameters in `groups` (decay, no-decay).
 
-    `reduce_gradients` after the backward passes, then the optimizer's clip and step on `flats`,
-    then `gather_weights`; `release_gradients` frees the fp32 gradient shards."""
+    `send_gradients` for every bucket (`overlap.OverlappedReduction`, during and after the
+    backward passes), then the optimizer's clip and step on `flats`, then `gather_weights`;
+    `release_gradients` frees the fp32 gradient shards."""
 
     def __init__(
         self,
@@ -120,20 +122,19 @@ class ShardedMasters:
         return flat[bucket.offset : bucket.offset + bucket.shard]
 
     @torch.no_grad()
-    def reduce_gradients(self) -> bool:
-        """Sum the parameters' gradients over the ranks into this rank's fp32 gradient shards
-        (freeing each bf16 gradient once sent); False, on every rank, when no rank has one."""
-        present = any(p.grad is not None for p in self.params)
-        if not self.world.any(present, self.params[0].device):
-            return False
-        for g, buckets in enumerate(self.buckets):
-            self.flats[g].grad = torch.empty_like(self.flats[g])
-            for b in buckets:
-                full = b.flat([p.grad for p in b.params])
-                _reduce_scatter(self._slice(g, b, self.flats[g].grad), full)
-                for p in b.params:
-                    p.grad = None
-        return True
+    def send_gradients(self, group: int, bucket: _Bucket, async_op: bool = False):
+        """Reduce-scatter one bucket's gradients (None: zeros), summed in fp32, into this rank's
+        gradient shard, and free them; (work, fp32 staging): with `async_op`, the staging must
+        live until the work is waited for. `overlap.OverlappedReduction` sends every bucket once
+        per step, in one order on every rank."""
+        if self.flats[group].grad is None:
+            self.flats[group].grad = torch.empty_like(self.flats[group])
+        full = bucket.flat([p.grad for p in bucket.params])
+        out = self._slice(group, bucket, self.flats[group].grad)
+        work = _reduce_scatter(out, full, async_op=async_op)
+        for p in bucket.params:
+            p.grad = None
+        return work, full
 
     def gradients(self) -> list[torch.Tensor]:
         return [f.grad for f in self.flats]

@@ -18,7 +18,8 @@ SHARDS_FOLDER = (
 class ModelOptimizer:
     """AdamW over a model's trainable parameters, or over their fp32 masters (`precision.py`).
 
-    `zero_grad`, then backward passes, then `step`: the same calls with or without masters.
+    `zero_grad`, then backward passes (the last under `last_backward()`), then `step`: the same
+    calls with or without masters.
     With a `world` (`distributed.World`, a data-parallel job), `step` first sums the gradients
     over the ranks, each rank's loss being divided by the global batch's counts already. With
     `sharded` as well, each rank keeps the fp32 masters, gradients and moments of 1/N of the
@@ -43,7 +44,7 @@ class ModelOptimizer:
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is off)")
         self.world = world if world is not None and world.size > 1 else None
-        self.masters = self.sharded = None
+        self.masters = self.sharded = self.reduction = None
         if sharded and self.world is not None:
             self._shard(learning_rate, weight_decay, betas, eps, rounding, seed)
             return
@@ -65,10 +66,12 @@ class ModelOptimizer:
         self._stepped = stepped
 
     def _shard(self, learning_rate, weight_decay, betas, eps, rounding, seed) -> None:
+        from fastgrpo.distributed.overlap import OverlappedReduction
         from fastgrpo.distributed.sharded import ShardedMasters, group_parameters
 
         groups = group_parameters(self.params, _low_precision)  # as one process steps them
         self.sharded = ShardedMasters(groups, self.world, rounding, seed)
+        self.reduction = OverlappedReduction(self.sharded, self.params)
         decays = [weight_decay, 0.0]
         adam_groups = [
             {"params": [flat], "weight_decay": decay}
@@ -78,6 +81,13 @@ class ModelOptimizer:
         self.adamw = torch.optim.AdamW(
             adam_groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
         )
+
+    def last_backward(self):
+        """A context for the mini-batch's last backward pass (only that one: ranks may run
+        different numbers of micro-batches). In a sharded job each bucket's reduce-scatter
+        starts as soon as its gradients are final, overlapping the rest of the backward; else
+        it changes nothing."""
+        return self.reduction.last_backward() if self.reduction is not None else nullcontext()
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -127,7 +137,7 @@ class ModelOptimizer:
 
     def _sharded_step(self, max_grad_norm, loss, timer) -> tuple[torch.Tensor | None, bool]:
         shards = self.sharded
-        if not shards.reduce_gradients():
+        if not self.reduction.finish():
             return None, True
         grads = shards.gradients()
         squares = torch.stack(torch._foreach_norm(grads)).square().sum()

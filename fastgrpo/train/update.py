@@ -8,6 +8,8 @@ reference and old log-probs scored before (`scoring.py`), and the loss chosen on
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from fastgrpo.kernels.support import interpreting, kernel_dtype, triton
@@ -65,7 +67,7 @@ def update_policy(
     with timer("update"):
         for mini in [mini for _ in range(num_iterations) for mini in plan]:
             optimizer.zero_grad()
-            mini_loss = _accumulate_gradients(model, mini, loss, totals)
+            mini_loss = _accumulate_gradients(model, mini, loss, optimizer, totals)
             with timer("optimizer"):
                 norm, stepped = optimizer.step(max_grad_norm, mini_loss, timer)
                 totals.add_norm(norm)
@@ -75,14 +77,17 @@ def update_policy(
 
 
 def _accumulate_gradients(
-    model, mini: MiniBatch, loss: MicroBatchLoss, totals: _Totals
+    model, mini: MiniBatch, loss: MicroBatchLoss, optimizer: ModelOptimizer, totals: _Totals
 ) -> torch.Tensor:
-    """The micro-batches' backward passes; the mini-batch's loss (0-d, on the device)."""
+    """The micro-batches' backward passes; the mini-batch's loss (0-d, on the device). The last
+    runs under `optimizer.last_backward()`: a sharded job reduces gradients during it."""
     total = torch.zeros((), device=totals.weight.device)
-    for mb in mini.micro:
+    for i, mb in enumerate(mini.micro):
         value, metrics = loss(model, mb, mini.num_sequences, mini.num_tokens)
         if value.requires_grad:  # False when every token is masked (all truncated)
-            value.backward()
+            last = i == len(mini.micro) - 1
+            with optimizer.last_backward() if last else nullcontext():
+                value.backward()
         totals.add(value, metrics, mb)
         total += value.detach().float()
     return total

@@ -76,14 +76,22 @@ def global_batch(seed: int = 1) -> tuple[Rollout, torch.Tensor]:
 
 
 def run_update(
-    loss_type: str, beta: float, world: World | None, sharded: bool = False, shards=None
+    loss_type: str,
+    beta: float,
+    world: World | None,
+    sharded: bool = False,
+    shards=None,
+    *,
+    batch: tuple[Rollout, torch.Tensor] | None = None,
+    token_budget: int = 40,
 ) -> dict:
-    """Two epochs over two mini-batches on this process's share of the global batch: the
-    gradients AdamW stepped with (summed over the ranks) at each of the 4 steps (not recorded
-    when `sharded`: AdamW then steps each rank's shard), the parameters after, and the
-    optimizer's state (`sharded`: its description, the shards written to the folder `shards`)."""
+    """Two epochs over two mini-batches on this process's share of the global batch (`batch`,
+    else `global_batch()`): the gradients AdamW stepped with (summed over the ranks) at each of
+    the 4 steps (not recorded when `sharded`: AdamW then steps each rank's shard), the parameters
+    after, the optimizer's state (`sharded`: its description, the shards written to the folder
+    `shards`), and the completion tokens of each micro-batch of each mini-batch."""
     policy, reference = tiny_models()
-    rollout, advantages = global_batch()
+    rollout, advantages = global_batch() if batch is None else batch
     if world is not None:  # this rank's prompt groups, whole
         groups = world.share(list(range(PROMPTS)))
         rows = [p * GROUP + i for p, i in itertools.product(groups, range(GROUP))]
@@ -97,7 +105,7 @@ def run_update(
         rollout,
         advantages,
         mini_batches=2,
-        token_budget=40,  # several micro-batches per mini-batch
+        token_budget=token_budget,  # 40: several micro-batches per mini-batch
         zero_gradient_rows=settings.zero_gradient_rows_possible,
         packed=True,
         world=world,
@@ -129,13 +137,14 @@ def run_update(
         timer=PhaseTimer(torch.device("cpu")),
     )
     state = optimizer.state_dict()
-    if sharded:  # every rank writes its pieces of the masters and moments
+    if sharded and shards is not None:  # every rank writes its pieces of masters and moments
         optimizer.save_shards(shards if world.is_main else None)
         state["shards"] = str(shards / SHARDS_FOLDER)
     return {
         "grads": grads,
         "params": [p.detach().clone() for p in policy.parameters()],
         "state": state,
+        "tokens": [[int(mb.rollout.completion_mask.sum()) for mb in mini.micro] for mini in plan],
     }
 
 
