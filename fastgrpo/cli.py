@@ -199,6 +199,7 @@ def run_plot(args) -> int:
 def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:
     """`fastgrpo train --nproc N ...`: the same command as N processes started by torchrun."""
     import os
+    import signal
     import subprocess
 
     from fastgrpo.config import ConfigError
@@ -215,7 +216,18 @@ def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:
             argv.append(arg)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "fastgrpo", *argv]  # fmt: skip
-    return subprocess.call(command)
+    # torchrun in a session of its own, so that Ctrl-C reaches it once, from here: it passes a
+    # signal on to its ranks, which finish their step, save and exit (the ranks have 30 s before
+    # torchrun kills them). subprocess.call would SIGKILL torchrun on Ctrl-C and orphan the ranks.
+    launcher = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum, _frame):
+        launcher.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    code = launcher.wait()
+    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 
 
 def _one_line(error: Exception) -> str:

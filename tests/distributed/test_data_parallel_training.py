@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -211,3 +213,43 @@ def test_a_one_process_run_resumed_by_two_sharded_processes_continues_the_same_r
     a, b = weights(straight), weights(halves)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_to_the_launcher_saves_every_ranks_shards_and_the_run_resumes(
+    tiny_model_dir, tmp_path, signum
+):
+    """Ctrl-C (or a scheduler's SIGTERM) to `fastgrpo train --nproc 2` reaches torchrun once and
+    through it every rank: they finish the step, write the checkpoint (rank 0 the model, each
+    rank its optimizer shards) and exit; the run then resumes."""
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, run, steps=500, **extra)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fastgrpo", "train", "--nproc", "2", *sets],
+        env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not any('"time/step"' in line for line in _lines(run / "metrics.jsonl")):
+        assert launcher.poll() is None and time.monotonic() < deadline, "no step was taken"
+        time.sleep(0.5)
+    launcher.send_signal(signum)
+    out, err = launcher.communicate(timeout=150)
+    assert launcher.returncode != 0, out[-2000:]
+    saved = latest_checkpoint(run)
+    assert saved is not None, err[-3000:]
+    assert len(list((saved / SHARDS_FOLDER).glob("*.distcp"))) == 2
+    assert "interrupted: saved" in out
+    step = int(saved.name.split("_")[-1])
+    resumed = torchrun_train(
+        [f"--set=train.steps={step + 1}"], "--resume", str(run), "--trust-run-code"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert latest_checkpoint(run).name == f"step_{step + 1:06d}"
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
