@@ -11,8 +11,6 @@ as 0 where summed and is left out of the other reductions.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 SUMMED_PREFIXES = ("reward_failures/", "reward_errors/", "skipped_steps")
 SUMMED = {"tokens_per_s"}
 LOWEST_SUFFIX, HIGHEST_SUFFIX = "/min_length", "/max_length"
@@ -42,6 +40,15 @@ def combine_records(records: list[dict]) -> dict:
 
 def gather_record(record: dict, world) -> dict:
     """Every rank's record combined (on every rank: one small all-gather of Python objects)."""
-    records: list[dict] = [{} for _ in range(world.size)]
-    dist.all_gather_object(records, record)
-    return combine_records(records)
+    return combine_records(world.gather(record))
+
+
+def combine_eval_scores(scores: list[dict]) -> dict:
+    """The scores of the whole evaluation set from each rank's scores of its share (`evaluate`'s
+    per-problem means, weighted by the problems each rank scored)."""
+    total = sum(s["num_problems"] for s in scores)
+    out = {"num_problems": total}
+    for key in scores[0]:
+        if key != "num_problems":
+            out[key] = sum(s[key] * s["num_problems"] for s in scores) / max(total, 1)
+    return out

@@ -94,6 +94,12 @@ class World:
         """Wait for every rank."""
         dist.barrier()
 
+    def gather(self, value) -> list:
+        """Every rank's `value` (any picklable object), in rank order, on every rank."""
+        values = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
     def broadcast(self, value):
         """Rank 0's `value` (any picklable object) on every rank."""
         box = [value]

@@ -36,7 +36,12 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
-from fastgrpo.train.parallel import gather_record, join_world, local_main_first
+from fastgrpo.train.parallel import (
+    gather_eval_scores,
+    gather_record,
+    join_world,
+    local_main_first,
+)
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.resume import (
     changed_settings,
@@ -224,7 +229,7 @@ def _train(
             metrics.write(f"resume: {key} {old!r} -> {new!r} from step {step + 1}")
     profiled = profiled_steps(config.run.profile_steps, step, config.train.steps) if main else []
     profiler = StepProfiler(run_dir, profiled, model.device)
-    evaluate_now = _evaluator(config, trainer, task, metrics, main)
+    evaluate_now = _evaluator(config, trainer, task, metrics)
     if config.eval.before and step == 0:
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
@@ -341,8 +346,12 @@ def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -
         metrics.write(f"profile: wrote {path} (open it in https://ui.perfetto.dev)")
 
 
-def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog, main: bool):
-    problems = task.eval[: config.eval.num_problems] if main else []  # rank 0 evaluates
+def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog):
+    """The run's evaluation. In a data-parallel job each rank evaluates every N-th problem and
+    the scores of the whole set are combined (rank 0 logs them)."""
+    problems = task.eval[: config.eval.num_problems]
+    world = trainer.world
+    mine = problems if world is None else problems[world.rank :: world.size]
 
     def run(step: int, when: str) -> dict | None:
         if not problems:
@@ -352,7 +361,7 @@ def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: Metric
             scores = evaluate(
                 trainer.model,
                 trainer.tokenizer,
-                problems,
+                mine,
                 rewards=trainer.rewards,
                 stop_ids=trainer.stop_ids,
                 system_prompt=config.task.system_prompt,
@@ -361,6 +370,8 @@ def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: Metric
                 batch_size=config.eval.batch_size,
                 seed=config.train.seed,
             )
+        if world is not None:
+            scores = gather_eval_scores(scores, world)
         metrics.log(
             {
                 "kind": "eval",

@@ -86,3 +86,10 @@ def gather_record(record: dict, world) -> dict:
     from fastgrpo.distributed.metrics import gather_record as gather
 
     return gather(record, world)
+
+
+def gather_eval_scores(scores: dict, world) -> dict:
+    """The whole evaluation set's scores from every rank's scores of its share."""
+    from fastgrpo.distributed.metrics import combine_eval_scores
+
+    return combine_eval_scores(world.gather(scores))

@@ -46,6 +46,7 @@ PARALLEL = ["replicated", "sharded"]
 def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_path, parallel):
     one, two = tmp_path / "one", tmp_path / "two"
     extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    extra |= {"eval.before": True, "eval.after": True, "eval.num_problems": 5}  # split 3 + 2
     run_training(None, overrides=tiny_overrides(tiny_model_dir, one, steps=2, **extra))
     extra["train.parallel"] = parallel
     sets = [f"--set={item}" for item in tiny_overrides(tiny_model_dir, two, steps=2, **extra)]
@@ -66,6 +67,13 @@ def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_
     for mine, theirs in zip(steps, [r for r in straight if r.get("kind", "train") == "train"]):
         assert mine["completion/mean_length"] == pytest.approx(theirs["completion/mean_length"])
         assert mine["reward/std"] == pytest.approx(theirs["reward/std"], rel=1e-5)
+    # the ranks evaluate a share each (3 and 2 problems): the whole set's scores, logged once
+    evals = [[r for r in rs if r.get("kind") == "eval"] for rs in (straight, records)]
+    assert [e["when"] for e in evals[1]] == ["before", "after"]
+    for mine, theirs in zip(evals[1], evals[0], strict=True):
+        assert mine["num_problems"] == theirs["num_problems"] == 5
+        for key in ("accuracy", "reward_mean", "mean_length", "truncated"):
+            assert mine[key] == pytest.approx(theirs[key], abs=1e-9), key
 
 
 def torchrun_train(sets: list[str], *extra: str, timeout: float = 300, cache=None):
