@@ -220,6 +220,11 @@ class ModelOptimizer:
         import torch.distributed.checkpoint as dcp
 
         folder = self.world.broadcast(None if checkpoint is None else str(checkpoint))
+        if not Path(folder).is_dir():  # shards written elsewhere would leave a broken checkpoint
+            raise RuntimeError(
+                f"rank {self.world.rank} cannot see {folder}, the checkpoint rank 0 is writing: "
+                "put run.output_dir on a filesystem every machine of the job shares"
+            )
         stepped = bool(self.adamw.state.get(self.sharded.flats[0]))
         tensors = self.sharded.checkpoint_tensors(self.adamw, with_moments=stepped)
         dcp.save(tensors, checkpoint_id=Path(folder) / SHARDS_FOLDER)

@@ -138,6 +138,8 @@ def run_update(
     )
     state = optimizer.state_dict()
     if sharded and shards is not None:  # every rank writes its pieces of masters and moments
+        if world.is_main:
+            shards.mkdir(parents=True, exist_ok=True)  # as rank 0's checkpoint folder is
         optimizer.save_shards(shards if world.is_main else None)
         state["shards"] = str(shards / SHARDS_FOLDER)
     return {
@@ -284,3 +286,35 @@ def test_auto_shards_the_optimizer_state_and_says_the_bytes_per_process():
         and "replicated optimizer state, ~5.5 GiB" in line
         and "~2.5 GiB sharded" in line
     )
+
+
+def _rank_saves_into_an_unseen_folder(rank: int, size: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        world = World(rank, size)
+        policy, _ = tiny_models()
+        optimizer = ModelOptimizer(
+            policy, learning_rate=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8,
+            world=world, sharded=True,
+        )  # fmt: skip
+        try:  # rank 0 names a folder no rank can see (another machine's, in a multi-node job)
+            optimizer.save_shards(Path(out) / "elsewhere" if world.is_main else None)
+        except RuntimeError as error:
+            Path(out, f"rank{rank}.txt").write_text(str(error))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_see_the_checkpoint_folder_says_so_instead_of_writing_elsewhere(
+    tmp_path,
+):
+    mp.start_processes(
+        _rank_saves_into_an_unseen_folder,
+        args=(2, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    message = (tmp_path / "rank1.txt").read_text()
+    assert "rank 1 cannot see" in message and "every machine of the job shares" in message
+    assert not (tmp_path / "elsewhere").exists()
