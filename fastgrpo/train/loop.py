@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -443,14 +444,16 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
             packed=isinstance(model, Transformer),
             world=world,
         )
-        if trainer.ref_model is not None:
-            score_reference(
-                trainer.ref_model,
-                plan,
-                temperature=r.temperature,
-                token_budget=t.micro_batch_tokens,
-                fused=trainer.fused,
-            )
+        shards = trainer.reference_shards
+        with shards.whole() if shards is not None else nullcontext():
+            if trainer.ref_model is not None:
+                score_reference(
+                    trainer.ref_model,
+                    plan,
+                    temperature=r.temperature,
+                    token_budget=t.micro_batch_tokens,
+                    fused=trainer.fused,
+                )
     with timer("old_logprobs"):
         if t.num_iterations > 1 or t.mini_batches > 1:  # else the ratio is 1 by construction
             score_old(model, plan, temperature=r.temperature, fused=trainer.fused)

@@ -53,10 +53,10 @@ def choose_parallel(config: Config, model, world) -> tuple[bool, str]:
     count = sum(p.numel() for p in params)
     width = params[0].element_size()
     masters = width < 4 and config.train.master_weights != "off"
-    reference = count * width if config.algo.beta else 0
+    reference = count * width if config.algo.beta else 0  # sharded: 1/N, whole while it scores
     # weights + gradients, the fp32 masters with their fp32 gradients, and AdamW's two moments
     replicated = count * (2 * width + (16 if masters else 2 * width)) + reference
-    sharded = count * (2 * width + 16 / world.size) + reference  # fp32 shards in any case
+    sharded = count * (2 * width + 16 / world.size) + reference / world.size
     mode = config.train.parallel
     chosen = "sharded" if mode == "auto" else mode
     gib = (sharded if chosen == "sharded" else replicated) / 2**30

@@ -41,6 +41,8 @@ class Trainer:
     fused: bool  # the fused LM-head kernels score and train
     world: object | None = None  # the data-parallel job (distributed.World), None in one process
     parallel: str = ""  # a data-parallel job's choice of train.parallel, in words
+    # sharded jobs: the reference kept as shards, whole only while it scores (distributed/frozen.py)
+    reference_shards: object | None = None
 
 
 def build_task_data(config: Config) -> TaskData:
@@ -168,6 +170,11 @@ def build_trainer(
         total_steps=t.steps * t.num_iterations * t.mini_batches,
     )
     settings = LossSettings.from_config(config)
+    reference_shards = None
+    if sharded and ref_model is not None:
+        from fastgrpo.distributed.frozen import ShardedFrozen
+
+        reference_shards = ShardedFrozen(ref_model, world)
     return Trainer(
         model,
         ref_model,
@@ -181,6 +188,7 @@ def build_trainer(
         fused,
         world if world is not None and world.size > 1 else None,
         parallel,
+        reference_shards,
     )
 
 

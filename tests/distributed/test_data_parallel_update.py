@@ -284,7 +284,7 @@ def test_auto_shards_the_optimizer_state_and_says_the_bytes_per_process():
     assert (
         not sharded
         and "replicated optimizer state, ~5.5 GiB" in line
-        and "~2.5 GiB sharded" in line
+        and "~2.1 GiB sharded" in line
     )
 
 
