@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 import torch
 
 from fastgrpo.data import Example, render_prompt
 from fastgrpo.rewards import RewardSet
 from fastgrpo.rewards.rollout_rewards import reward_columns, score_rollout
 from fastgrpo.rollout import generate_rollout
+from fastgrpo.train.parallel import gather_eval_scores
+
+if TYPE_CHECKING:
+    from fastgrpo.config import Config
+    from fastgrpo.data import TaskData
+    from fastgrpo.train.trainer import Trainer
 
 
 @torch.no_grad()
@@ -68,3 +77,49 @@ def evaluate(
         "mean_length": length_total / n,
         "truncated": truncated / n,
     }
+
+
+def run_evaluator(config: Config, trainer: Trainer, task: TaskData, metrics):
+    """The training run's evaluation: `run(step, when)` evaluates the first eval.num_problems
+    held-out problems, logs the scores to `metrics` (a MetricsLog) and returns them. In a
+    data-parallel job each rank evaluates every N-th problem and
+    the scores of the whole set are combined (rank 0 logs them)."""
+    problems = task.eval[: config.eval.num_problems]
+    world = trainer.world
+    mine = problems if world is None else problems[world.rank :: world.size]
+
+    def run(step: int, when: str) -> dict | None:
+        if not problems:
+            return None
+        start = time.perf_counter()
+        with metrics.paused():  # the progress bar's ETA counts training steps only
+            scores = evaluate(
+                trainer.model,
+                trainer.tokenizer,
+                mine,
+                rewards=trainer.rewards,
+                stop_ids=trainer.stop_ids,
+                system_prompt=config.task.system_prompt,
+                temperature=config.eval.temperature,
+                max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
+                batch_size=config.eval.batch_size,
+                seed=config.train.seed,
+            )
+        if world is not None:
+            scores = gather_eval_scores(scores, world)
+        metrics.log(
+            {
+                "kind": "eval",
+                "when": when,
+                "step": step,
+                **scores,
+                "time/eval": time.perf_counter() - start,
+            }
+        )
+        metrics.write(
+            f"eval ({when}, step {step}): accuracy {scores['accuracy']:.3f} "
+            f"mean reward {scores['reward_mean']:.3f} on {scores['num_problems']} held-out problems"
+        )
+        return scores
+
+    return run

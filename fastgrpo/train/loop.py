@@ -19,7 +19,7 @@ import yaml
 
 from fastgrpo.algo import group_advantages, zero_std_fraction
 from fastgrpo.config import Config, ConfigError
-from fastgrpo.data import PromptSampler, TaskData, render_prompt
+from fastgrpo.data import PromptSampler, render_prompt
 from fastgrpo.errors import RunStopped, UserError
 from fastgrpo.models import Transformer
 from fastgrpo.rewards.rollout_rewards import score_rollout
@@ -34,11 +34,10 @@ from fastgrpo.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fastgrpo.train.evaluate import evaluate
+from fastgrpo.train.evaluate import run_evaluator
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
 from fastgrpo.train.parallel import (
-    gather_eval_scores,
     gather_record,
     join_world,
     local_main_first,
@@ -230,7 +229,7 @@ def _train(
             metrics.write(f"resume: {key} {old!r} -> {new!r} from step {step + 1}")
     profiled = profiled_steps(config.run.profile_steps, step, config.train.steps) if main else []
     profiler = StepProfiler(run_dir, profiled, model.device)
-    evaluate_now = _evaluator(config, trainer, task, metrics)
+    evaluate_now = run_evaluator(config, trainer, task, metrics)
     if config.eval.before and step == 0:
         result.eval_before = evaluate_now(step, "before")
     else:  # resumed: the evaluation before training is in the run's metrics already
@@ -345,50 +344,6 @@ def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -
     if path is not None:
         result.profile_trace = path
         metrics.write(f"profile: wrote {path} (open it in https://ui.perfetto.dev)")
-
-
-def _evaluator(config: Config, trainer: Trainer, task: TaskData, metrics: MetricsLog):
-    """The run's evaluation. In a data-parallel job each rank evaluates every N-th problem and
-    the scores of the whole set are combined (rank 0 logs them)."""
-    problems = task.eval[: config.eval.num_problems]
-    world = trainer.world
-    mine = problems if world is None else problems[world.rank :: world.size]
-
-    def run(step: int, when: str) -> dict | None:
-        if not problems:
-            return None
-        start = time.perf_counter()
-        with metrics.paused():  # the progress bar's ETA counts training steps only
-            scores = evaluate(
-                trainer.model,
-                trainer.tokenizer,
-                mine,
-                rewards=trainer.rewards,
-                stop_ids=trainer.stop_ids,
-                system_prompt=config.task.system_prompt,
-                temperature=config.eval.temperature,
-                max_new_tokens=config.eval.max_new_tokens or config.rollout.max_new_tokens,
-                batch_size=config.eval.batch_size,
-                seed=config.train.seed,
-            )
-        if world is not None:
-            scores = gather_eval_scores(scores, world)
-        metrics.log(
-            {
-                "kind": "eval",
-                "when": when,
-                "step": step,
-                **scores,
-                "time/eval": time.perf_counter() - start,
-            }
-        )
-        metrics.write(
-            f"eval ({when}, step {step}): accuracy {scores['accuracy']:.3f} "
-            f"mean reward {scores['reward_mean']:.3f} on {scores['num_problems']} held-out problems"
-        )
-        return scores
-
-    return run
 
 
 # ----------------------------------------------------------------------------- one step

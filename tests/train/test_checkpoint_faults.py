@@ -3,6 +3,7 @@ mid-step, and Ctrl-C or SIGTERM before the first step."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -23,6 +24,9 @@ from fastgrpo.train import checkpoint as checkpoint_module
 from fastgrpo.train import load_resume_config, run_training
 from fastgrpo.train import loop as loop_module
 from fastgrpo.train.checkpoint import CheckpointError, checkpoint_dirs, latest_checkpoint
+
+# the module, not the function of the same name that fastgrpo.train exports
+evaluate_module = importlib.import_module("fastgrpo.train.evaluate")
 
 
 def cli_args(model_dir, run_dir, steps, **extra) -> list[str]:
@@ -130,14 +134,15 @@ def test_a_stop_signal_before_the_first_step_exits_with_one_line(
     tiny_model_dir, tmp_path, monkeypatch, capsys, signum, phase
 ):
     run_dir = tmp_path / "run"
+    owner = loop_module if phase == "loading" else evaluate_module  # the run's evaluator
     target = "load_configured_model" if phase == "loading" else "evaluate"
-    original = getattr(loop_module, target)
+    original = getattr(owner, target)
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signum)  # arrives while this phase runs
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(loop_module, target, interrupted)
+    monkeypatch.setattr(owner, target, interrupted)
     previous = signal.getsignal(signum)
     assert main(cli_args(tiny_model_dir, run_dir, steps=2, **{"eval.before": True})) == 128 + signum
     err = capsys.readouterr().err.strip()
@@ -281,13 +286,13 @@ def test_a_stop_signal_in_the_final_evaluation_exits_and_resume_runs_only_that_e
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
     run_dir = tmp_path / "run"
-    original = loop_module.evaluate
+    original = evaluate_module.evaluate
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(loop_module, "evaluate", interrupted)
+    monkeypatch.setattr(evaluate_module, "evaluate", interrupted)
     assert main(cli_args(tiny_model_dir, run_dir, steps=2, **{"eval.after": True})) == 143
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "final evaluation" in err and "--resume" in err
