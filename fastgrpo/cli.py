@@ -174,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2 if isinstance(error, UserError) else 1
     except BrokenPipeError:  # the reader went away (`fastgrpo config --keys | head`)
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 0
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM where no step could finish first
@@ -198,8 +196,6 @@ def run_plot(args) -> int:
 
 def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:
     """`fastgrpo train --nproc N ...`: the same command as N processes started by torchrun."""
-    import os
-    import signal
     import subprocess
 
     from fastgrpo.config import ConfigError

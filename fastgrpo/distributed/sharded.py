@@ -18,8 +18,10 @@ mini-batch's last backward pass (`overlap.py`); after AdamW, every rank rounds i
 weights' dtype and one all-gather per bucket puts the whole weights back together on every rank:
 the weight gather.
 
-The state a checkpoint holds is the one-process format (one master and two moments per parameter),
-gathered bucket by bucket: a sharded run resumes on any number of processes, or on one.
+In a checkpoint every rank writes its own pieces through torch.distributed.checkpoint, keyed by
+the buckets' whole tensors (`checkpoint_tensors`), so a sharded run resumes on any number of
+processes; `read_one_process_state` turns them into the one-process format for a run continued
+without sharding, and `shards_of` cuts a one-process checkpoint into a rank's pieces.
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class _Bucket:
         self.offset = offset
         self.dtype = params[0].dtype
 
-    def flat(self, tensors, dtype=torch.float32) -> torch.Tensor:
-        """One tensor per parameter (None: zeros) as the bucket's padded flat tensor."""
-        device = self.params[0].device
-        out = torch.zeros(self.padded, dtype=dtype, device=device)
+    def flat(self, tensors, device=None) -> torch.Tensor:
+        """One tensor per parameter (None: zeros) as the bucket's padded flat fp32 tensor, on
+        `device` (default: the parameters')."""
+        device = self.params[0].device if device is None else device
+        out = torch.zeros(self.padded, dtype=torch.float32, device=device)
         views = out[: self.numel].split(self.sizes)
         for view, t in zip(views, tensors):
             if t is not None:
@@ -180,10 +183,7 @@ class ShardedMasters:
             for b in buckets:
                 tensors = values[i : i + len(b.params)]
                 i += len(b.params)
-                flat = torch.zeros(b.padded, dtype=torch.float32)
-                for view, t in zip(flat[: b.numel].split(b.sizes), tensors):
-                    view.copy_(t.reshape(-1))
-                parts.append(self._mine(flat))
+                parts.append(self._mine(b.flat(tensors, device="cpu")))  # only mine to the GPU
             out.append(torch.cat(parts).to(self.params[0].device))
         return out
 

@@ -37,11 +37,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.evaluate import run_evaluator
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
-from fastgrpo.train.parallel import (
-    gather_record,
-    join_world,
-    local_main_first,
-)
+from fastgrpo.train.parallel import gather_record, join_world, local_main_first
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
 from fastgrpo.train.resume import (
     changed_settings,
@@ -207,7 +203,7 @@ def _train(
         set_rng_state(state["rng"])
         step = state["step"]
         processes = world.size if world is not None else 1
-        if state.get("processes", 1) != processes:  # replicated state: any count continues it
+        if state.get("processes", 1) != processes:  # any count continues it (resharded)
             changes = {**changes, "processes": (state.get("processes", 1), processes)}
 
     result = TrainResult(run_dir=run_dir, steps=step)

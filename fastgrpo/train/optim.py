@@ -10,9 +10,7 @@ import torch
 
 from fastgrpo.train.precision import LOW_PRECISION, MasterWeights, wants_masters
 
-SHARDS_FOLDER = (
-    "optimizer_shards"  # in a checkpoint of a sharded job: every rank's masters, moments
-)
+SHARDS_FOLDER = "optimizer_shards"  # in a sharded job's checkpoint: every rank's pieces
 
 
 class ModelOptimizer:
@@ -23,7 +21,7 @@ class ModelOptimizer:
     With a `world` (`distributed.World`, a data-parallel job), `step` first sums the gradients
     over the ranks, each rank's loss being divided by the global batch's counts already. With
     `sharded` as well, each rank keeps the fp32 masters, gradients and moments of 1/N of the
-    weights (`distributed/sharded.py`); `state_dict` still gives the one-process format.
+    weights (`distributed/sharded.py`), which every rank writes with `save_shards`.
     """
 
     def __init__(
@@ -199,8 +197,22 @@ class ModelOptimizer:
             self.masters.generator.set_state(state["rounding_rng"].cpu())
         # else: no saved masters; they were copied from the loaded model's weights already
 
+    def _has_moments(self) -> bool:
+        """Whether AdamW has stepped the shards (its moments exist) yet."""
+        return bool(self.adamw.state.get(self.sharded.flats[0]))
+
+    def _set_moments(self, step: float, exp_avg: list, exp_avg_sq: list) -> None:
+        """AdamW's state of each flat shard, as its first step would have made it."""
+        for flat, avg, sq in zip(self.sharded.flats, exp_avg, exp_avg_sq):
+            where = flat.device if flat.is_cuda else "cpu"  # fused AdamW counts on the GPU
+            self.adamw.state[flat] = {
+                "step": torch.tensor(step, dtype=torch.float32, device=where),
+                "exp_avg": avg,
+                "exp_avg_sq": sq,
+            }
+
     def _shards_description(self) -> dict:
-        stepped = bool(self.adamw.state.get(self.sharded.flats[0]))
+        stepped = self._has_moments()
         index = {id(p): i for i, p in enumerate(self.sharded.params)}
         groups = [
             {
@@ -225,8 +237,7 @@ class ModelOptimizer:
                 f"rank {self.world.rank} cannot see {folder}, the checkpoint rank 0 is writing: "
                 "put run.output_dir on a filesystem every machine of the job shares"
             )
-        stepped = bool(self.adamw.state.get(self.sharded.flats[0]))
-        tensors = self.sharded.checkpoint_tensors(self.adamw, with_moments=stepped)
+        tensors = self.sharded.checkpoint_tensors(self.adamw, with_moments=self._has_moments())
         dcp.save(tensors, checkpoint_id=Path(folder) / SHARDS_FOLDER)
 
     @torch.no_grad()
@@ -240,14 +251,9 @@ class ModelOptimizer:
                 f"elements and this fastgrpo {shards.bucket_elements}; resume with the fastgrpo "
                 "version that wrote it"
             )
-        if meta["stepped"]:
-            for flat in shards.flats:
-                where = flat.device if flat.is_cuda else "cpu"
-                self.adamw.state[flat] = {
-                    "step": torch.tensor(meta["step"], dtype=torch.float32, device=where),
-                    "exp_avg": torch.zeros_like(flat),
-                    "exp_avg_sq": torch.zeros_like(flat),
-                }
+        if meta["stepped"]:  # zeros for the load to fill
+            zeros = [[torch.zeros_like(f) for f in shards.flats] for _ in range(2)]
+            self._set_moments(meta["step"], *zeros)
         dcp.load(
             shards.checkpoint_tensors(self.adamw, meta["stepped"]), checkpoint_id=meta["shards"]
         )
@@ -270,14 +276,7 @@ class ModelOptimizer:
         }
         step = float(per_param[0]["step"])
         shards.gathers = int(step)  # the rounding's stream goes on where it was
-        for k, flat in enumerate(shards.flats):
-            self.adamw.state[flat] = {
-                "step": torch.tensor(
-                    step, dtype=torch.float32, device=flat.device if flat.is_cuda else "cpu"
-                ),
-                "exp_avg": moments["exp_avg"][k],
-                "exp_avg_sq": moments["exp_avg_sq"][k],
-            }
+        self._set_moments(step, moments["exp_avg"], moments["exp_avg_sq"])
 
 
 def _low_precision(param) -> bool:
