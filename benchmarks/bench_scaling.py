@@ -113,9 +113,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=("0.5B", "1.5B", "7B", "tiny"), default="0.5B")
     parser.add_argument(
         "--parallel",
-        choices=("auto", "replicated", "sharded"),
+        choices=("auto", "replicated", "sharded", "fsdp"),
         default="auto",
-        help="train.parallel: the optimizer state replicated or sharded",
+        help="train.parallel: the optimizer state replicated or sharded, or FSDP (weights too)",
     )
     parser.add_argument(
         "--gradient-checkpointing",

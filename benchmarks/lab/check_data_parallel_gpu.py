@@ -47,7 +47,9 @@ def weights(run_dir) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--parallel", default="auto", choices=("auto", "replicated", "sharded"))
+    parser.add_argument(
+        "--parallel", default="auto", choices=("auto", "replicated", "sharded", "fsdp")
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     model_dir = str(build_tiny_model(root / "model"))

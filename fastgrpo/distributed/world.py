@@ -66,6 +66,12 @@ class World:
         dist.all_reduce(out)
         return out
 
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `tensor` over the ranks (a new tensor)."""
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
+
     def batch_std(self, values: torch.Tensor) -> torch.Tensor:
         """The unbiased std of the values of every rank together (each rank holds its share):
         count, sum and sum of squares summed in float64, as `values.std()` of the whole batch

@@ -27,6 +27,9 @@ class MiniBatch:
     num_sequences: int  # all of the mini-batch's rows, those left out included (on all ranks)
     num_tokens: torch.Tensor  # () its completion tokens, those left out included (on all ranks)
     rows: int = 0  # its rows on this rank
+    # passes with no rows this rank runs after its micro-batches, to run as many forwards and
+    # backwards as the busiest rank (`plan_update(lockstep=True)`: FSDP's collectives)
+    idle_passes: int = 0
 
 
 def plan_update(
@@ -38,6 +41,7 @@ def plan_update(
     zero_gradient_rows: bool,
     packed: bool,
     world=None,
+    lockstep: bool = False,
 ) -> list[MiniBatch]:
     """`mini_batches` equal slices of the rows, each in micro-batches of `token_budget` tokens.
 
@@ -49,6 +53,8 @@ def plan_update(
     With a `world` (`distributed.World`) the rows are this rank's share of the global batch, and
     each mini-batch's counts are the global ones: its rows on every rank (`World.share` deals
     prompt groups round-robin, so this rank's mini-batch m is its share of the global one).
+    `lockstep` (FSDP) sets each mini-batch's `idle_passes`: the busiest rank's number of
+    micro-batches that run a forward (those with a kept token) less this rank's.
     """
     rows = advantages.shape[0]
     per_mini = rows // mini_batches
@@ -64,7 +70,17 @@ def plan_update(
         active = (advantages[index] != 0) | (not zero_gradient_rows)  # rows that move weights
         micro = _micro_batches(sub, advantages[index], active, token_budget, packed)
         plan.append(MiniBatch(micro, num_sequences, num_tokens, rows=per_mini))
+    if lockstep and world is not None and world.size > 1:
+        passes = torch.tensor([float(sum(map(runs_forward, m.micro))) for m in plan])
+        busiest = world.max(passes.to(advantages.device)).tolist()
+        for mini, most, mine in zip(plan, busiest, passes.tolist()):
+            mini.idle_passes = int(most - mine)
     return plan
+
+
+def runs_forward(mb: MicroBatch) -> bool:
+    """Whether scoring or training this micro-batch runs the model (else no token is kept)."""
+    return bool(mb.rollout.completion_mask.any())
 
 
 def _micro_batches(

@@ -94,7 +94,7 @@ def run_evaluator(config: Config, trainer: Trainer, task: TaskData, metrics):
         start = time.perf_counter()
         with metrics.paused():  # the progress bar's ETA counts training steps only
             scores = evaluate(
-                trainer.model,
+                trainer.rollout_model,
                 trainer.tokenizer,
                 mine,
                 rewards=trainer.rewards,

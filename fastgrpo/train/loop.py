@@ -265,7 +265,7 @@ def _train(
             ):
                 optimizer_state = optimizer.state_dict()
                 # a sharded job's ranks each write their optimizer shards into rank 0's folder
-                shards = optimizer.save_shards if optimizer.sharded is not None else None
+                shards = optimizer.save_shards if optimizer.writes_shards else None
                 if not main:
                     if shards is not None:
                         shards(None)
@@ -279,7 +279,7 @@ def _train(
                 where = save_checkpoint(
                     run_dir,
                     step,
-                    model=model,
+                    model=trainer.rollout_model,  # whole, where FSDP shards `model`
                     tokenizer=tokenizer,
                     trainer_state=state,
                     config=config.to_dict(),
@@ -394,6 +394,7 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
             zero_gradient_rows=trainer.loss_settings.zero_gradient_rows_possible,
             packed=isinstance(model, Transformer),
             world=world,
+            lockstep=trainer.lockstep,
         )
         shards = trainer.reference_shards
         with shards.whole() if shards is not None else nullcontext():
@@ -439,7 +440,7 @@ def sample_completions(config: Config, trainer: Trainer, examples: list, row_ids
         render_prompt(trainer.tokenizer, ex.prompt, config.task.system_prompt) for ex in examples
     ]
     return generate_rollout(
-        trainer.model,
+        trainer.rollout_model,
         trainer.tokenizer,
         texts,
         num_generations=r.num_generations,

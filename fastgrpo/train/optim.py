@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.errors import UserError
 from fastgrpo.train.precision import LOW_PRECISION, MasterWeights, wants_masters
 
 SHARDS_FOLDER = "optimizer_shards"  # in a sharded job's checkpoint: every rank's pieces
@@ -21,7 +22,9 @@ class ModelOptimizer:
     With a `world` (`distributed.World`, a data-parallel job), `step` first sums the gradients
     over the ranks, each rank's loss being divided by the global batch's counts already. With
     `sharded` as well, each rank keeps the fp32 masters, gradients and moments of 1/N of the
-    weights (`distributed/sharded.py`), which every rank writes with `save_shards`.
+    weights (`distributed/sharded.py`), which every rank writes with `save_shards`. With
+    `fully_sharded` (`distributed.fsdp.FullySharded`: the model's parameters are FSDP's fp32
+    shards) AdamW steps those shards and the step refreshes the engine's whole copy.
     """
 
     def __init__(
@@ -37,16 +40,23 @@ class ModelOptimizer:
         seed: int = 0,
         world=None,
         sharded: bool = False,
+        fully_sharded=None,
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if fully_sharded is not None:
+            self.params = fully_sharded.params
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is off)")
         self.world = world if world is not None and world.size > 1 else None
-        self.masters = self.sharded = self.reduction = None
+        self.masters = self.sharded = self.reduction = self.fully_sharded = None
         if sharded and self.world is not None:
             self._shard(learning_rate, weight_decay, betas, eps, rounding, seed)
             return
         stepped = self.params
+        if fully_sharded is not None:  # the parameters are fp32 shards already: the masters
+            from fastgrpo.distributed.fsdp import FullyShardedOptimizer
+
+            master_weights = "off"
         if wants_masters(master_weights, self.params):  # bf16/fp16 ones get fp32 masters
             low = [p for p in self.params if p.dtype in LOW_PRECISION]
             self.masters = MasterWeights(low, rounding, seed)
@@ -62,6 +72,13 @@ class ModelOptimizer:
             groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
         )
         self._stepped = stepped
+        if fully_sharded is not None:
+            self.fully_sharded = FullyShardedOptimizer(fully_sharded, self.adamw)
+
+    @property
+    def writes_shards(self) -> bool:
+        """Whether every rank writes its own pieces of the optimizer state (`save_shards`)."""
+        return self.sharded is not None or self.fully_sharded is not None
 
     def _shard(self, learning_rate, weight_decay, betas, eps, rounding, seed) -> None:
         from fastgrpo.distributed.overlap import OverlappedReduction
@@ -103,6 +120,8 @@ class ModelOptimizer:
         weight gather as its own phase."""
         if self.sharded is not None:
             return self._sharded_step(max_grad_norm, loss, timer)
+        if self.fully_sharded is not None:
+            return self.fully_sharded.step(max_grad_norm, loss, timer)
         if self.world is not None and not self._sum_gradients_over_ranks():
             return None, True
         if self.masters is not None and not self.masters.load_gradients():
@@ -173,6 +192,9 @@ class ModelOptimizer:
         job's is only what describes its shards, which every rank writes with `save_shards`."""
         if self.sharded is not None:
             return self._shards_description()
+        if self.fully_sharded is not None:
+            stepped = self.fully_sharded.stepped()
+            return {"shards": SHARDS_FOLDER, "layout": "fsdp", "stepped": stepped}
         state = {"adamw": self.adamw.state_dict()}
         if self.masters is not None:
             state["master_weights"] = self.masters.state_dict()
@@ -182,6 +204,9 @@ class ModelOptimizer:
     def load_state_dict(self, state: dict) -> None:
         if "adamw" not in state and "shards" not in state:  # from before master weights
             state = {"adamw": state}
+        check_layout(state, fsdp=self.fully_sharded is not None)
+        if self.fully_sharded is not None:
+            return self.fully_sharded.load(state["shards"], state["stepped"])
         if "shards" in state and self.sharded is not None:
             return self._load_checkpoint_shards(state)
         if "shards" in state:  # a sharded run's checkpoint, continued without sharding
@@ -237,6 +262,8 @@ class ModelOptimizer:
                 f"rank {self.world.rank} cannot see {folder}, the checkpoint rank 0 is writing: "
                 "put run.output_dir on a filesystem every machine of the job shares"
             )
+        if self.fully_sharded is not None:
+            return self.fully_sharded.save(Path(folder) / SHARDS_FOLDER)
         tensors = self.sharded.checkpoint_tensors(self.adamw, with_moments=self._has_moments())
         dcp.save(tensors, checkpoint_id=Path(folder) / SHARDS_FOLDER)
 
@@ -277,6 +304,22 @@ class ModelOptimizer:
         step = float(per_param[0]["step"])
         shards.gathers = int(step)  # the rounding's stream goes on where it was
         self._set_moments(step, moments["exp_avg"], moments["exp_avg_sq"])
+
+
+def check_layout(state: dict, fsdp: bool) -> None:
+    """A UserError naming what to do when a checkpoint's optimizer state was written by FSDP
+    and is resumed without it, or the other way round (the two keep different tensors)."""
+    written = state.get("layout") == "fsdp"
+    if written and not fsdp:
+        raise UserError(
+            "this checkpoint's optimizer state was written by train.parallel=fsdp; resume it "
+            "with --set train.parallel=fsdp under torchrun (any number of processes)"
+        )
+    if fsdp and not written:
+        raise UserError(
+            "train.parallel=fsdp resumes only checkpoints written by train.parallel=fsdp (any "
+            "number of processes); resume this one with train.parallel=sharded or replicated"
+        )
 
 
 def _low_precision(param) -> bool:

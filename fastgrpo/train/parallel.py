@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 from fastgrpo.config import Config, ConfigError
 from fastgrpo.models.sources import resolve_device
+from fastgrpo.models.transformer import Transformer
 
 
 def join_world(config: Config):
@@ -40,33 +41,68 @@ def check_data_parallel(config: Config, ranks: int) -> None:
         )
 
 
-def choose_parallel(config: Config, model, world) -> tuple[bool, str]:
-    """(shard the optimizer state?, the line that says what was chosen, with the estimated bytes
-    per process of weights, gradients and optimizer state) for a data-parallel job.
+def choose_parallel(config: Config, model, world) -> tuple[str, str]:
+    """(replicated, sharded or fsdp; the line that says what was chosen, with the estimated
+    bytes per process of weights, gradients and optimizer state) for a data-parallel job.
 
-    auto shards: sharded state moves as many bytes as replicated (a reduce-scatter and an
-    all-gather make one all-reduce) and AdamW steps 1/N of it, so it measured both faster and
-    smaller (4 x H200, 0.5B: 0.463 s and 11.5 GiB against 0.510 s and 15.6 GiB,
-    benchmarks/results/parallel_ab_h200x4.txt), and it is what lets a 7B model train on 4 GPUs.
+    auto shards the optimizer state: sharded state moves as many bytes as replicated (a
+    reduce-scatter and an all-gather make one all-reduce) and AdamW steps 1/N of it, so it
+    measured both faster and smaller (4 x H200, 0.5B: 0.463 s and 11.5 GiB against 0.510 s and
+    15.6 GiB, benchmarks/results/parallel_ab_h200x4.txt). Where that state would take more than
+    half of the GPU, auto shards the weights and gradients too (FSDP).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
     width = params[0].element_size()
     masters = width < 4 and config.train.master_weights != "off"
     reference = count * width if config.algo.beta else 0  # sharded: 1/N, whole while it scores
-    # weights + gradients, the fp32 masters with their fp32 gradients, and AdamW's two moments
-    replicated = count * (2 * width + (16 if masters else 2 * width)) + reference
-    sharded = count * (2 * width + 16 / world.size) + reference / world.size
+    n = world.size
+    # weights + gradients, the fp32 masters with their fp32 gradients, and AdamW's two moments;
+    # fsdp: the engine's whole copy, and fp32 weights, gradients and moments in shards
+    estimate = {
+        "replicated": count * (2 * width + (16 if masters else 2 * width)) + reference,
+        "sharded": count * (2 * width + 16 / n) + reference / n,
+        "fsdp": count * (width + 16 / n) + reference / n,
+    }
     mode = config.train.parallel
-    chosen = "sharded" if mode == "auto" else mode
-    gib = (sharded if chosen == "sharded" else replicated) / 2**30
-    other = (replicated if chosen == "sharded" else sharded) / 2**30
+    chosen = mode
+    if mode == "auto":
+        room = _device_bytes(model)
+        too_big = room is not None and estimate["sharded"] > room / 2
+        chosen = "fsdp" if too_big and isinstance(model, Transformer) else "sharded"
+    if chosen == "fsdp":
+        check_fully_sharded(config, model)
+    others = ", ".join(f"~{estimate[k] / 2**30:.1f} GiB {k}" for k in estimate if k != chosen)
+    words = {"fsdp": "fully sharded (FSDP) weights, gradients and"}.get(chosen, chosen)
     line = (
-        f"data parallel over {world.size} processes: {chosen} optimizer state, ~{gib:.1f} GiB of "
-        f"weights, gradients and optimizer state per process (~{other:.1f} GiB "
-        f"{'replicated' if chosen == 'sharded' else 'sharded'}; train.parallel={mode})"
+        f"data parallel over {n} processes: {words} optimizer state, "
+        f"~{estimate[chosen] / 2**30:.1f} GiB of weights, gradients and optimizer state per "
+        f"process ({others}; train.parallel={mode})"
     )
-    return chosen == "sharded", line
+    return chosen, line
+
+
+def _device_bytes(model) -> int | None:
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def check_fully_sharded(config: Config, model) -> None:
+    """What train.parallel=fsdp needs: the native model, and fp32 masters (FSDP's shards)."""
+    if not isinstance(model, Transformer):
+        raise ConfigError(
+            f"train.parallel=fsdp needs fastgrpo's native model; {type(model).__name__} (the "
+            "transformers backend) trains with train.parallel=sharded or replicated"
+        )
+    if config.train.master_weights == "off":
+        raise ConfigError(
+            "train.parallel=fsdp keeps fp32 master weights (they are what FSDP shards); drop "
+            "train.master_weights=off, or use train.parallel=sharded"
+        )
 
 
 @contextmanager

@@ -38,6 +38,16 @@ def score_old(model, plan: list[MiniBatch], *, temperature: float, fused: bool) 
             mb.old_logp, _ = completion_logprobs(
                 model, mb.rollout, temperature=temperature, fused=fused
             )
+        run_idle_passes(model, mini.idle_passes, with_grad=False)
+
+
+def run_idle_passes(model, count: int, with_grad: bool) -> None:
+    """`count` passes over no rows (FSDP: as many collectives as the busiest rank runs)."""
+    if count:
+        from fastgrpo.distributed.fsdp import idle_pass
+
+        for _ in range(count):
+            idle_pass(model, with_grad)
 
 
 @torch.no_grad()

@@ -43,6 +43,19 @@ class Trainer:
     parallel: str = ""  # a data-parallel job's choice of train.parallel, in words
     # sharded jobs: the reference kept as shards, whole only while it scores (distributed/frozen.py)
     reference_shards: object | None = None
+    # fsdp jobs: the sharded model and the whole copy its engine samples from (distributed/fsdp.py)
+    fully_sharded: object | None = None
+
+    @property
+    def rollout_model(self):
+        """The model the engine samples from, evaluation scores and checkpoints write: the
+        policy itself, except under FSDP (its whole bf16 copy)."""
+        return self.model if self.fully_sharded is None else self.fully_sharded.rollout_model
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank must run as many forwards and backwards as the busiest (FSDP)."""
+        return self.fully_sharded is not None
 
 
 def build_task_data(config: Config) -> TaskData:
@@ -148,9 +161,13 @@ def build_trainer(
         ref_model.requires_grad_(False).eval()
     t = config.train
     check_training_precision(config, model)
-    sharded, parallel = False, ""
+    chosen, parallel, fully_sharded = "", "", None
     if world is not None and world.size > 1:
-        sharded, parallel = choose_parallel(config, model, world)
+        chosen, parallel = choose_parallel(config, model, world)
+    if chosen == "fsdp":
+        from fastgrpo.distributed.fsdp import FullySharded
+
+        fully_sharded = FullySharded(model, world)
     optimizer = ModelOptimizer(
         model,
         learning_rate=t.learning_rate,
@@ -161,7 +178,8 @@ def build_trainer(
         rounding=t.bf16_rounding,
         seed=t.seed,
         world=world,
-        sharded=sharded,
+        sharded=chosen == "sharded",
+        fully_sharded=fully_sharded,
     )
     scheduler = build_scheduler(
         optimizer.adamw,
@@ -171,7 +189,7 @@ def build_trainer(
     )
     settings = LossSettings.from_config(config)
     reference_shards = None
-    if sharded and ref_model is not None:
+    if chosen in ("sharded", "fsdp") and ref_model is not None:
         from fastgrpo.distributed.frozen import ShardedFrozen
 
         reference_shards = ShardedFrozen(ref_model, world)
@@ -189,6 +207,7 @@ def build_trainer(
         world if world is not None and world.size > 1 else None,
         parallel,
         reference_shards,
+        fully_sharded,
     )
 
 

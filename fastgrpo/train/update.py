@@ -17,6 +17,7 @@ from fastgrpo.train.batching import MicroBatch, MiniBatch
 from fastgrpo.train.logprobs import lm_head_weight
 from fastgrpo.train.optim import ModelOptimizer
 from fastgrpo.train.profiling import PhaseTimer
+from fastgrpo.train.scoring import run_idle_passes
 from fastgrpo.train.step_loss import MicroBatchLoss
 
 
@@ -90,6 +91,7 @@ def _accumulate_gradients(
                 value.backward()
         totals.add(value, metrics, mb)
         total += value.detach().float()
+    run_idle_passes(model, mini.idle_passes, with_grad=True)
     return total
 
 

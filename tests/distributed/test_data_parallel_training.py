@@ -38,7 +38,7 @@ def weights(run_dir) -> dict:
     return out
 
 
-PARALLEL = ["replicated", "sharded"]
+PARALLEL = ["replicated", "sharded", "fsdp"]
 
 
 @pytest.mark.slow
@@ -53,7 +53,8 @@ def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_
     done = torchrun_train(sets)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run folder:") == 1  # rank 0 reports the job
-    assert done.stdout.count(f"data parallel over 2 processes: {parallel} optimizer state") == 1
+    said = {"fsdp": "fully sharded (FSDP) weights, gradients and"}.get(parallel, parallel)
+    assert done.stdout.count(f"data parallel over 2 processes: {said} optimizer state") == 1
     a, b = weights(one), weights(two)
     assert a.keys() == b.keys()
     start = load_file(f"{tiny_model_dir}/model.safetensors")
@@ -159,7 +160,7 @@ def test_a_gpu_index_under_torchrun_is_one_line_before_joining(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", PARALLEL)
+@pytest.mark.parametrize("parallel", PARALLEL[:2])  # fsdp: the next test
 def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(
     tiny_model_dir, tmp_path, parallel
 ):
@@ -185,6 +186,28 @@ def test_a_two_process_run_resumed_by_one_process_continues_the_same_run(
         json.loads(line) for line in (halves / "config_changes.jsonl").read_text().splitlines()
     ]
     assert {"after_step": 1, "key": "processes", "from": 2, "to": 1} in changes
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumed_without_fsdp_says_how_to_resume_it(tiny_model_dir, tmp_path):
+    """FSDP's checkpoint keeps per-parameter shards that only FSDP reads: one line, and the run
+    folder is as it was."""
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    run = tmp_path / "run"
+    two = {**extra, "train.parallel": "fsdp"}
+    sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, run, steps=1, **two)]
+    done = torchrun_train(sets)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fully sharded (FSDP) weights, gradients and optimizer state" in done.stdout
+    assert len(list((latest_checkpoint(run) / SHARDS_FOLDER).glob("*.distcp"))) == 2
+    before = sorted(str(p) for p in run.rglob("*"))
+    resumed = subprocess.run(
+        [sys.executable, "-m", "fastgrpo", "train", "--resume", str(run), "--trust-run-code",
+         "--set=train.steps=2"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "resume it with --set train.parallel=fsdp under torchrun" in resumed.stderr
+    assert sorted(str(p) for p in run.rglob("*")) == before
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from transformers import LlamaConfig
 
 from fastgrpo.algo import group_advantages
 from fastgrpo.distributed import World, sharded
+from fastgrpo.distributed.fsdp import FullySharded
 from fastgrpo.distributed.sharded import read_one_process_state
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.types import Rollout
@@ -75,6 +76,17 @@ def global_batch(seed: int = 1) -> tuple[Rollout, torch.Tensor]:
     return rollout, advantages
 
 
+def uneven_batch() -> tuple[Rollout, torch.Tensor]:
+    """`global_batch` with rank 0's first group (group 0) at full length and rank 1's last
+    (group 3) of zero advantage: the ranks plan different numbers of micro-batches."""
+    rollout, advantages = global_batch()
+    rollout.completion_mask[:GROUP] = 1
+    rollout.completion_ids[:GROUP] = rollout.completion_ids[:GROUP].clamp(min=1)
+    rollout.finished[:GROUP] = False
+    advantages[3 * GROUP :] = 0.0
+    return rollout, advantages
+
+
 def run_update(
     loss_type: str,
     beta: float,
@@ -84,6 +96,7 @@ def run_update(
     *,
     batch: tuple[Rollout, torch.Tensor] | None = None,
     token_budget: int = 40,
+    fsdp: bool = False,
 ) -> dict:
     """Two epochs over two mini-batches on this process's share of the global batch (`batch`,
     else `global_batch()`): the gradients AdamW stepped with (summed over the ranks) at each of
@@ -109,13 +122,15 @@ def run_update(
         zero_gradient_rows=settings.zero_gradient_rows_possible,
         packed=True,
         world=world,
+        lockstep=fsdp,
     )
+    fully_sharded = FullySharded(policy, world) if fsdp else None
     if beta:
         score_reference(reference, plan, temperature=1.0, token_budget=40, fused=False)
     score_old(policy, plan, temperature=1.0, fused=False)
     optimizer = ModelOptimizer(
         policy, learning_rate=1e-3, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8, world=world,
-        sharded=sharded,
+        sharded=sharded, fully_sharded=fully_sharded,
     )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.adamw, lambda step: 1.0)
     grads, adamw_step = [], optimizer.adamw.step
@@ -124,7 +139,7 @@ def run_update(
         grads.append(torch.cat([p.grad.flatten() for p in optimizer.params]))
         return adamw_step(*args, **kwargs)
 
-    if not sharded:
+    if not sharded and not fsdp:
         optimizer.adamw.step = recorded_step
     update_policy(
         policy,
@@ -142,8 +157,11 @@ def run_update(
             shards.mkdir(parents=True, exist_ok=True)  # as rank 0's checkpoint folder is
         optimizer.save_shards(shards if world.is_main else None)
         state["shards"] = str(shards / SHARDS_FOLDER)
+    if fsdp:  # the engine's whole copy, gathered from the shards after the last step
+        policy = fully_sharded.rollout_model
     return {
         "grads": grads,
+        "idle_passes": [mini.idle_passes for mini in plan],
         "params": [p.detach().clone() for p in policy.parameters()],
         "state": state,
         "tokens": [[int(mb.rollout.completion_mask.sum()) for mb in mini.micro] for mini in plan],
@@ -160,6 +178,10 @@ def _rank_main(rank: int, size: int, store: str, out: str) -> None:
         for t, b in LOSSES:
             shards = Path(out).parent / f"shards-{t}-{b}"
             results[f"sharded-{t}-{b}"] = run_update(t, b, world, True, shards)
+            results[f"fsdp-{t}-{b}"] = run_update(t, b, world, batch=uneven_batch(), fsdp=True)
+            results[f"fsdp-{t}-{b}"]["idle_passes"] = world.gather(
+                results[f"fsdp-{t}-{b}"]["idle_passes"]
+            )
         rewards = world.share(list(torch.arange(8.0).pow(1.5).split(2)))  # groups of 2
         results["batch_std"] = world.batch_std(torch.cat(rewards))
         if world.is_main:
@@ -229,6 +251,21 @@ def test_two_processes_with_sharded_optimizer_state_give_the_one_process_update(
             assert float((a - b).norm() / a.norm().clamp(min=1e-30)) < 1e-4, (i, key)
 
 
+@pytest.mark.parametrize(("loss_type", "beta"), LOSSES)
+def test_two_processes_with_fsdp_give_the_one_process_update(two_process_results, loss_type, beta):
+    """train.parallel=fsdp: FSDP2 shards the weights, gradients and moments; the ranks run
+    different numbers of micro-batches, the less busy one idle passes, and the whole weights
+    gathered into the engine's copy match one process's parameters."""
+    one = run_update(loss_type, beta, world=None, batch=uneven_batch())
+    two = two_process_results[f"fsdp-{loss_type}-{beta}"]
+    rank0, rank1 = two["idle_passes"]
+    assert any(rank0 + rank1)  # the ranks' micro-batch counts differed somewhere
+    assert all(a == 0 or b == 0 for a, b in zip(rank0, rank1))
+    for a, b in zip(one["params"], two["params"], strict=True):
+        assert float((a - b).norm() / a.norm()) < 1e-6
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
 def test_the_batch_std_of_two_shares_is_the_std_of_the_whole_batch(two_process_results):
     whole = torch.arange(8.0).pow(1.5)
     torch.testing.assert_close(two_process_results["batch_std"], whole.std(), rtol=1e-6, atol=0)
@@ -274,18 +311,30 @@ def test_auto_shards_the_optimizer_state_and_says_the_bytes_per_process():
 
     model = torch.nn.Linear(1 << 14, 1 << 14, bias=False, device="meta", dtype=torch.bfloat16)
     config = Config()  # 2^28 bf16 weights with fp32 masters: 20 bytes each, or 2 + 2 + 16 / 4
-    sharded, line = choose_parallel(config, model, World(0, 4))
-    assert sharded
-    assert (
-        "4 processes: sharded optimizer state, ~2.0 GiB" in line and "~5.0 GiB replicated" in line
-    )
+    chosen, line = choose_parallel(config, model, World(0, 4))
+    assert chosen == "sharded"
+    assert "4 processes: sharded optimizer state, ~2.0 GiB" in line
+    assert "~5.0 GiB replicated" in line and "~1.5 GiB fsdp" in line  # fsdp: 2 + 16 / 4
     config.train.parallel, config.algo.beta = "replicated", 0.04  # + a bf16 reference: 0.5 GiB
-    sharded, line = choose_parallel(config, model, World(0, 4))
-    assert (
-        not sharded
-        and "replicated optimizer state, ~5.5 GiB" in line
-        and "~2.1 GiB sharded" in line
-    )
+    chosen, line = choose_parallel(config, model, World(0, 4))
+    assert chosen == "replicated"
+    assert "replicated optimizer state, ~5.5 GiB" in line and "~2.1 GiB sharded" in line
+
+
+def test_fsdp_refuses_what_it_cannot_shard_in_one_line():
+    from fastgrpo.config import Config, ConfigError
+    from fastgrpo.train.parallel import choose_parallel
+
+    config = Config()
+    config.train.parallel = "fsdp"
+    policy = tiny_models()[0].to(torch.bfloat16)
+    chosen, line = choose_parallel(config, policy, World(0, 2))
+    assert chosen == "fsdp" and "fully sharded (FSDP) weights, gradients and optimizer" in line
+    with pytest.raises(ConfigError, match="needs fastgrpo's native model"):
+        choose_parallel(config, torch.nn.Linear(4, 4), World(0, 2))
+    config.train.master_weights = "off"
+    with pytest.raises(ConfigError, match="drop train.master_weights=off"):
+        choose_parallel(config, policy, World(0, 2))
 
 
 def _rank_saves_into_an_unseen_folder(rank: int, size: int, store: str, out: str) -> None:

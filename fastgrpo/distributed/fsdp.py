@@ -1,0 +1,194 @@
+"""Fully sharded training (`train.parallel: fsdp`): torch's FSDP2 (`fully_shard`) shards the
+weights, gradients and optimizer state of the trained model over the ranks; each rank's rollout
+engine samples from a whole bf16 copy of the weights (`rollout_model`), refreshed after every
+optimizer step by a gather, layer by layer (`time/weight_gather`).
+
+Bytes per parameter on each GPU, bf16 weights:
+  sharded (ZeRO-2)  2 (weight) + 2 (gradient) + 16 / N
+  fsdp              2 (the engine's copy) + 16 / N (fp32 weight, fp32 gradient, two moments)
+plus, in the update, one layer's whole bf16 weights and gradients at a time. The fp32 weights
+FSDP shards are the master weights: the trainer computes with their bf16 cast (FSDP's
+MixedPrecisionPolicy, rounded to nearest) and reduces gradients in fp32.
+
+Every rank must run the same sequence of FSDP forwards and backwards (each layer all-gathers its
+weights in a forward and reduce-scatters its gradients in a backward), so a rank with fewer
+micro-batches than the busiest rank runs idle passes (`idle_pass`; counted at planning time,
+`batching.plan_update(lockstep=True)`).
+
+Checkpoints: every rank writes its shards of the fp32 weights and AdamW's moments through
+torch.distributed.checkpoint (keyed by parameter name), so a run resumes on any number of
+processes; rank 0 writes the whole bf16 model from the engine's copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fastgrpo.models.transformer import Transformer
+
+
+class FullySharded:
+    """`model` (a native Transformer) sharded in place by `fully_shard`, one unit per decoder
+    layer and one for the rest (embeddings, final norm, LM head), its weights turned into fp32
+    masters; `rollout_model` the whole copy the engine reads, and the checkpoints write."""
+
+    def __init__(self, model: Transformer, world):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+
+        if not isinstance(model, Transformer):
+            raise TypeError("train.parallel=fsdp needs fastgrpo's native model (model.backend)")
+        self.model, self.world = model, world
+        packed = all(layer.is_packed() for layer in model.model.layers)
+        for layer in model.model.layers:  # the trainer's GEMMs read FSDP's gathered weights
+            layer.self_attn.qkv = layer.mlp.gate_up = None
+        self.rollout_model = copy.deepcopy(model).requires_grad_(False)
+        if packed:
+            self.rollout_model.pack_projections()
+        self.compute_dtype = model.lm_head_weight.dtype
+        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        mesh = init_device_mesh(model.device.type, (world.size,))
+        for layer in model.model.layers:  # one layer in fp32 at a time, then only its shards
+            layer.float()
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+            register_fsdp_forward_method(layer, "forward_train")  # the CUDA trainer's forward
+        for module in self._root_modules():
+            module.float()
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        # the fp32 shards (DTensors) the optimizer steps: after a forward without gradient the
+        # root unit leaves its gathered weights in the model until its next backward, so
+        # model.parameters() is not always these
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.units = list(model.model.layers) + [model]
+        self._targets = self._engine_tensors()
+
+    def _root_modules(self) -> list[torch.nn.Module]:
+        m = self.model
+        return [m.model.embed_tokens, m.model.norm] + ([m.lm_head] if hasattr(m, "lm_head") else [])
+
+    def _engine_tensors(self) -> list[list[torch.Tensor]]:
+        """For each unit, the engine copy's parameters in the order of the unit's own."""
+        engine = dict(self.rollout_model.named_parameters())
+        out = []
+        for i, unit in enumerate(self.units):
+            prefix = "" if unit is self.model else f"model.layers.{i}."
+            out.append([engine[prefix + name] for name, _ in self._own(unit)])
+        return out
+
+    def _own(self, unit) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters a unit shards itself (the root's exclude the layers')."""
+        named = list(unit.named_parameters())
+        if unit is self.model:
+            named = [(n, p) for n, p in named if not n.startswith("model.layers.")]
+        return named
+
+    @torch.no_grad()
+    def gather_weights(self) -> None:
+        """Every unit's weights, gathered whole in the compute dtype (one all-gather a unit),
+        into the engine's copy (in place: its CUDA graphs read the same addresses)."""
+        for unit, targets in zip(self.units, self._targets):
+            unit.unshard()
+            torch._foreach_copy_(targets, [p.detach() for _, p in self._own(unit)])
+            unit.reshard()
+
+
+def idle_pass(model: Transformer, with_grad: bool) -> None:
+    """One forward of a single token (and, `with_grad`, a backward of nothing: zero gradients
+    for every parameter), so that this rank runs the collectives of a pass the busiest rank runs
+    on real rows."""
+    device = model.device
+    ids = torch.zeros(1, dtype=torch.long, device=device)
+    bounds = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    with torch.set_grad_enabled(with_grad):
+        hidden = model(ids, ids, model.packed_attention(bounds, 1), position_bound=1)
+        if with_grad:
+            head = model.lm_head_weight  # outside the forward: give it a (zero) gradient too
+            ((hidden.float().sum() + head.float().sum()) * 0.0).backward()
+
+
+class FullyShardedOptimizer:
+    """AdamW's step, and its checkpoint, over a `FullySharded` model's fp32 weight shards (the
+    DTensors FSDP made the parameters)."""
+
+    def __init__(self, sharding: FullySharded, adamw: torch.optim.Optimizer):
+        self.sharding, self.adamw, self.world = sharding, adamw, sharding.world
+        self.params = sharding.params
+
+    def step(self, max_grad_norm: float, loss, timer) -> tuple[torch.Tensor | None, bool]:
+        """As `ModelOptimizer.step`: FSDP has reduce-scattered every backward's gradients into
+        the shards already, as a mean over the ranks, which the clip turns back into the sum
+        (the loss of each rank is divided by the global batch's counts)."""
+        from contextlib import nullcontext
+
+        grads = [p.grad for p in self.params]
+        device = self.params[0].device
+        if not self.world.any(all(g is not None for g in grads), device):
+            self.zero_grad()  # no rank ran a backward: nothing to step
+            self.adamw.step()
+            return None, True
+        local = [g.to_local() for g in grads]
+        squares = torch.stack(torch._foreach_norm(local)).square().sum()
+        norm = self.world.sum(squares).sqrt() * self.world.size
+        finite = bool(
+            (torch.isfinite(norm) if loss is None else torch.isfinite(norm + loss)).item()
+        )
+        if self.world.any(not finite, device):
+            self.zero_grad()
+            return norm, False
+        scale = torch.full((), float(self.world.size), device=norm.device)
+        if max_grad_norm > 0:
+            scale = scale * (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, scale)
+        self.adamw.step()
+        self.zero_grad()
+        with timer("weight_gather") if timer is not None else nullcontext():
+            self.sharding.gather_weights()
+        return norm, True
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def stepped(self) -> bool:
+        return bool(self.adamw.state.get(self.params[0]))
+
+    def _state(self, with_moments: bool) -> dict:
+        """What torch.distributed.checkpoint writes and reads: the fp32 weight shards and, with
+        moments, AdamW's state (made now, zeros, if AdamW has not stepped yet)."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        state = {"model": get_model_state_dict(self.sharding.model)}
+        if with_moments:
+            state["optimizer"] = get_optimizer_state_dict(self.sharding.model, self.adamw)
+        return state
+
+    def save(self, folder) -> None:
+        """Every rank writes its shards of the fp32 weights and of AdamW's state. A collective."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(self.stepped()), checkpoint_id=folder)
+
+    def load(self, folder, stepped: bool) -> None:
+        """Read the shards `save` wrote (by any number of ranks) into this rank's, then refresh
+        the engine's copy. A collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = self._state(stepped)
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(self.sharding.model, state["model"])
+        if stepped:
+            set_optimizer_state_dict(self.sharding.model, self.adamw, state["optimizer"])
+        self.sharding.gather_weights()
