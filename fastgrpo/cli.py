@@ -164,14 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tag = _rank_tag()
+    logging.basicConfig(level=logging.WARNING, format=f"{tag}%(levelname)s %(name)s: %(message)s")
     try:
         commands = {"train": run_train, "eval": run_eval, "config": run_config, "plot": run_plot}
         return commands[args.command](args)
     except (UserError, RunStopped) as error:
         if switches.debug():
             raise
-        print(f"error: {_one_line(error)}", file=sys.stderr)
+        print(f"{tag}error: {_one_line(error)}", file=sys.stderr)
         return 2 if isinstance(error, UserError) else 1
     except BrokenPipeError:  # the reader went away (`fastgrpo config --keys | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         number = getattr(stop, "signum", signal.SIGINT)
         detail = getattr(stop, "detail", "")
         print(
-            f"interrupted ({signal.Signals(number).name}){': ' + detail if detail else ''}",
+            f"{tag}interrupted ({signal.Signals(number).name}){': ' + detail if detail else ''}",
             file=sys.stderr,
         )
         return 128 + number
@@ -224,6 +225,14 @@ def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:
         signal.signal(signum, forward)
     code = launcher.wait()
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+def _rank_tag() -> str:
+    """The tag "[rankN]: " in a rank of a torchrun job of several processes, whose lines share
+    one stderr (torch tags a rank's uncaught traceback the same way), else ""."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"[rank{os.environ.get('RANK', '?')}]: "
+    return ""
 
 
 def _one_line(error: Exception) -> str:

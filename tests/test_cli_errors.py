@@ -112,3 +112,16 @@ def test_weights_that_do_not_match_the_config_are_named(backend, tiny_model_dir,
     err = train_error(args, tmp_path / "r", capsys)
     assert f"{model}: the weights do not match its config.json" in err
     assert "model.layers.1.mlp.up_proj.weight" in err
+
+
+def test_a_rank_of_a_torchrun_job_tags_its_error_line_with_its_rank(tmp_path, capsys, monkeypatch):
+    """The ranks of `fastgrpo train --nproc N` write to one stderr: each line says whose it is."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    run_dir = tmp_path / "r"
+    argv = ["train", "--set", f"run.output_dir={run_dir}", "--set", "rollout.prompts_per_step=3"]
+    assert main(argv) == 2  # refused before joining the job: 3 prompts do not split over 2 ranks
+    err = capsys.readouterr().err
+    assert err.startswith("[rank1]: error: ") and err.count("\n") == 1, err
+    assert "must be a multiple of the 2 processes" in err
+    assert not run_dir.exists()

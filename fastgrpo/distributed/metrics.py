@@ -6,24 +6,30 @@ rank's phase times (the step waits for it; `time/X/per_rank` lists every rank's 
 by more than 5%), and the mean of everything else (every rank holds the same number of rows, so
 the mean of per-rank means is the batch mean for per-row metrics). Keys
 may differ between ranks (a reward that failed on one rank only): a key missing on a rank counts
-as 0 where summed and is left out of the other reductions.
+as 0 where summed and is left out of the other reductions. A reward's error text is the first
+failing rank's, with that rank named (the run guard stops the job with it).
 """
 
 from __future__ import annotations
 
-SUMMED_PREFIXES = ("reward_failures/", "reward_errors/", "skipped_steps")
+SUMMED_PREFIXES = ("reward_failures/", "skipped_steps")
+ERROR_PREFIX = "reward_errors/"
 SUMMED = {"tokens_per_s"}
 LOWEST_SUFFIX, HIGHEST_SUFFIX = "/min_length", "/max_length"
 SLOWEST_PREFIXES = ("time/", "peak_memory_gib")
 
 
 def combine_records(records: list[dict]) -> dict:
-    """One record from the ranks' records (see the module docstring for the rule per key)."""
+    """One record from the ranks' records, in rank order (see the module docstring for the rule
+    per key)."""
     keys = list(dict.fromkeys(k for record in records for k in record))
     out = {}
     for key in keys:
         values = [r[key] for r in records if key in r]
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        if key.startswith(ERROR_PREFIX):
+            rank = next(i for i, r in enumerate(records) if key in r)
+            out[key] = f"{values[0]} (on rank {rank})"
+        elif not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             out[key] = values[0]  # text or flags: rank 0's
         elif key in SUMMED or key.startswith(SUMMED_PREFIXES):
             out[key] = sum(values)

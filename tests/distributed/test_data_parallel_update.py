@@ -292,7 +292,8 @@ def test_ranks_records_combine_as_the_whole_batch_would_show():
     rank0 = {"reward/mean": 0.5, "completion/min_length": 3, "completion/max_length": 40,
              "time/rollout": 0.2, "tokens_per_s": 1000.0, "reward_failures/fmt": 2, "step": 7}  # fmt: skip
     rank1 = {"reward/mean": 0.25, "completion/min_length": 1, "completion/max_length": 64,
-             "time/rollout": 0.3, "tokens_per_s": 900.0, "step": 7}  # fmt: skip
+             "time/rollout": 0.3, "tokens_per_s": 900.0, "reward_failures/acc": 8,
+             "reward_errors/acc": "ValueError: bad", "step": 7}  # fmt: skip
     assert combine_records([rank0, rank1]) == {
         "reward/mean": 0.375,
         "completion/min_length": 1,
@@ -301,6 +302,8 @@ def test_ranks_records_combine_as_the_whole_batch_would_show():
         "time/rollout/per_rank": [0.2, 0.3],
         "tokens_per_s": 1900.0,
         "reward_failures/fmt": 2,
+        "reward_failures/acc": 8,
+        "reward_errors/acc": "ValueError: bad (on rank 1)",  # the rank that saw it, named
         "step": 7,
     }
 
