@@ -327,10 +327,9 @@ def _check_eval_flags(args) -> None:
 
 def run_eval(args) -> int:
     from fastgrpo.models import stop_token_ids
-    from fastgrpo.rewards import RewardSet
     from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
     from fastgrpo.train.evaluate import evaluate
-    from fastgrpo.train.trainer import build_task_data, load_configured_model
+    from fastgrpo.train.trainer import build_rewards, build_task_data, load_configured_model
 
     _check_eval_flags(args)
     name = args.model
@@ -356,7 +355,7 @@ def run_eval(args) -> int:
         model,
         tokenizer,
         examples,
-        rewards=RewardSet.from_specs(config.rewards),
+        rewards=build_rewards(config),
         stop_ids=stop_token_ids(tokenizer, model),
         system_prompt=config.task.system_prompt,
         temperature=config.eval.temperature if args.temperature is None else args.temperature,

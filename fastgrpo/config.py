@@ -122,6 +122,9 @@ class TrainConfig:
     # completions for max_failing_reward_steps steps in a row stops the run
     max_reward_failure_frac: float = 0.5  # stop when a reward fails on more of the completions
     max_failing_reward_steps: int = 3  # steps in a row a reward may fail that often
+    # a reward call still running after this many seconds scores 0 for its completions and
+    # counts as failing (above); its thread is abandoned, so a hung reward cannot stall the run
+    reward_timeout: float | None = 60.0  # seconds each reward call may take (None: no limit)
 
 
 @dataclass
@@ -305,7 +308,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             except ValueError:
                 pass
         if number is not None and not math.isfinite(number):
-            raise ConfigError(f"'{key}' is {number}; give a finite number.")
+            extra = f" ({_BOUND_HINTS[key]})" if key in _BOUND_HINTS else ""
+            raise ConfigError(f"'{key}' is {number}; give a finite number{extra}.")
         if number is not None:
             return number
     elif hint is int:
@@ -378,6 +382,7 @@ RANGES = {
     "train.max_nonfinite_steps": "[1, inf)",
     "train.max_reward_failure_frac": "[0, 1]",
     "train.max_failing_reward_steps": "[1, inf)",
+    "train.reward_timeout": "(0, inf)",
     "eval.num_problems": "[0, inf)",
     "eval.temperature": "[0, 10]",
     "eval.max_new_tokens": "[1, inf)",
@@ -394,6 +399,7 @@ _BOUND_HINTS = {
     "run.profile_steps": "set 0 for no profiling, or N to record N steps with torch.profiler",
     "train.max_grad_norm": "0 turns clipping off",
     "train.max_reward_failure_frac": "1 never stops the run for a failing reward",
+    "train.reward_timeout": "seconds a reward call may take; null for no limit",
 }
 
 

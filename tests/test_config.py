@@ -127,12 +127,23 @@ def test_every_numeric_key_has_a_checked_range_that_holds_its_default():
         ("train.learning_rate=.nan", "'train.learning_rate' is nan; give a finite number"),
         ("train.max_grad_norm=.inf", "'train.max_grad_norm' is inf; give a finite number"),
         ("train.max_nonfinite_steps=0", "'train.max_nonfinite_steps' is 0; it must be >= 1"),
+        ("train.reward_timeout=0", "'train.reward_timeout' is 0.0; it must be > 0 "),
+        ("train.reward_timeout=-5", r"-5.0; it must be > 0 \(.*null for no limit\)"),
+        ("train.reward_timeout=.inf", r"is inf; give a finite number \(.*null for no limit\)"),
     ],
 )
 def test_values_outside_their_range_are_refused_with_the_range_and_the_default(override, message):
     with pytest.raises(ConfigError, match=message) as error:
         load_config(None, [override])
     assert "the default is" in str(error.value) or "finite" in str(error.value)
+
+
+def test_reward_timeout_is_sixty_seconds_unless_set_and_null_turns_it_off():
+    assert Config().train.reward_timeout == 60.0
+    assert load_config(None, ["train.reward_timeout=0.5"]).train.reward_timeout == 0.5
+    assert load_config(None, ["train.reward_timeout=null"]).train.reward_timeout is None
+    with pytest.raises(ConfigError, match="'train.reward_timeout' must be float, got '60s'"):
+        load_config(None, ["train.reward_timeout=60s"])
 
 
 def test_key_table_gives_every_key_a_type_a_default_and_a_meaning():

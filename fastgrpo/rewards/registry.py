@@ -2,10 +2,12 @@
 
 A training config names its rewards as strings: a built-in ("math_accuracy"), an
 importable function ("my_pkg.rewards:length_penalty") or a function in a file
-("rewards/custom.py:score"). :class:`RewardSet` calls them all on a batch and sums
-them with weights. A buggy user reward must not kill a long training run, so a
-reward that raises or returns bad values scores 0 for those completions, is
-counted in :attr:`RewardResult.failures`, and is logged (without spamming).
+("rewards/custom.py:score"). :class:`RewardSet` calls them all on a batch at once
+(``async def`` rewards on an event loop, plain ones in threads: see concurrent_calls.py)
+and sums them with weights, in the set's order, so the total is what calling them one
+after another gives. A buggy user reward must not kill or stall a long training run, so
+a reward that raises, returns bad values or passes its time limit scores 0 for those
+completions, is counted in :attr:`RewardResult.failures`, and is logged (without spamming).
 """
 
 import difflib
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastgrpo.rewards.concurrent_calls import ConcurrentCalls, RewardTimeout
 from fastgrpo.rewards.format import answer_format
 from fastgrpo.rewards.math import math_accuracy
 from fastgrpo.rewards.overlong import overlong_penalty
@@ -36,6 +39,13 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 
 _USER_SPEC_HINT = "For your own reward use 'module.path:function' or 'path/to/file.py:function'."
 _SPEC_DICT_KEYS = {"name", "function", "weight", "options"}
+# what math_verify and other SIGALRM-timed graders raise in the threads rewards run in
+_SIGNAL_IN_THREAD = "signal only works in main thread"
+_SIGNAL_IN_THREAD_HINT = (
+    "; rewards run in worker threads, where signal-based timeouts cannot work: turn the "
+    "grader's own timeout off (math_verify: parse(..., parsing_timeout=None), verify(..., "
+    "timeout_seconds=None)), train.reward_timeout limits the call instead"
+)
 
 
 def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
@@ -162,18 +172,28 @@ class _BadRewardOutput(Exception):
 
 
 class RewardSet:
-    """Several reward functions called on a batch and summed with weights, fault-tolerantly."""
+    """Several reward functions called on a batch at once and summed with weights,
+    fault-tolerantly; each call may take at most `timeout` seconds (None: no limit)."""
 
-    def __init__(self, rewards: Iterable[tuple[str, RewardFunction, float]], warn_every: int = 100):
+    def __init__(
+        self,
+        rewards: Iterable[tuple[str, RewardFunction, float]],
+        warn_every: int = 100,
+        timeout: float | None = None,
+    ):
         self._terms = [_make_term(name, function, weight) for name, function, weight in rewards]
         _check_unique_names([term.name for term in self._terms])
         self._warn_every = max(1, int(warn_every))
         self._failed_calls: dict[str, int] = {term.name: 0 for term in self._terms}
+        self.timeout = _check_timeout(timeout)
+        self._calls = ConcurrentCalls()
 
     @classmethod
-    def from_specs(cls, specs: Iterable[str | Mapping[str, Any]]) -> "RewardSet":
+    def from_specs(
+        cls, specs: Iterable[str | Mapping[str, Any]], timeout: float | None = None
+    ) -> "RewardSet":
         """Build a set from config entries: "name", "module:function" or a dict with a weight."""
-        return cls(_parse_spec(spec) for spec in specs)
+        return cls((_parse_spec(spec) for spec in specs), timeout=timeout)
 
     @property
     def names(self) -> list[str]:
@@ -209,45 +229,45 @@ class RewardSet:
         """Score a batch; ``columns`` holds extra dataset columns, one value per completion."""
         columns = dict(columns or {})
         _check_batch(prompts, completions, columns)
-        total = [0.0] * len(completions)
+        count = len(completions)
+        calls = [  # each its own lists, so a reward that edits them changes no other's input
+            (term.name, term.function, _own_arguments(prompts, completions, columns))
+            for term in self._terms
+        ]
+        outcomes = self._calls.run(calls, self.timeout)
+        total = [0.0] * count
         result = RewardResult(total=total)
-        for term in self._terms:
-            values, failures, error = self._score(term, prompts, completions, columns)
+        for term, (raw, call_error) in zip(self._terms, outcomes):
+            values, failures, error = self._score(term.name, raw, call_error, count)
             result.per_reward[term.name] = values
             result.failures[term.name] = failures
             if error is not None:
-                result.errors[term.name] = f"{type(error).__name__}: {error}"
+                result.errors[term.name] = _error_text(error)
             for index, value in enumerate(values):
                 total[index] += term.weight * value
         return result
 
     def _score(
-        self,
-        term: _RewardTerm,
-        prompts: Sequence[Any],
-        completions: Sequence[Any],
-        columns: dict[str, Sequence[Any]],
-    ) -> tuple[list[float], int, Exception | None]:
+        self, name: str, raw: Any, call_error: BaseException | None, count: int
+    ) -> tuple[list[float], int, BaseException | None]:
         """One reward's sanitized values, how many of them had to be replaced by 0, and why."""
-        count = len(completions)
-        try:
-            raw = term.function(prompts=prompts, completions=completions, **columns)
-        except Exception as error:
-            self._record_failure(term.name, count, count, error, show_traceback=True)
-            return [0.0] * count, count, error
+        if call_error is not None:
+            traceback = not isinstance(call_error, RewardTimeout)
+            self._record_failure(name, count, count, call_error, show_traceback=traceback)
+            return [0.0] * count, count, call_error
         try:
             values, bad_values = _sanitize(raw, count)
         except Exception as error:
-            self._record_failure(term.name, count, count, error, show_traceback=False)
+            self._record_failure(name, count, count, error, show_traceback=False)
             return [0.0] * count, count, error
         problem = None
         if bad_values:
             problem = _BadRewardOutput(f"returned {bad_values} None/NaN/inf/non-numeric value(s)")
-            self._record_failure(term.name, bad_values, count, problem, show_traceback=False)
+            self._record_failure(name, bad_values, count, problem, show_traceback=False)
         return values, bad_values, problem
 
     def _record_failure(
-        self, name: str, bad: int, count: int, error: Exception, show_traceback: bool
+        self, name: str, bad: int, count: int, error: BaseException, show_traceback: bool
     ) -> None:
         """Count a failing call and log it on the first and every ``warn_every``-th time."""
         self._failed_calls[name] += 1
@@ -256,16 +276,47 @@ class RewardSet:
             return
         logger.warning(
             "Reward '%s' failed (failing call #%d; %d of %d values set to 0; "
-            "the next %d failing calls are not logged): %s: %s",
+            "the next %d failing calls are not logged): %s",
             name,
             failed_calls,
             bad,
             count,
             self._warn_every - 1,
-            type(error).__name__,
-            error,
+            _error_text(error),
             exc_info=error if show_traceback else None,
         )
+
+
+def _error_text(error: BaseException) -> str:
+    """ "Type: message" of a reward's error, with how to fix one that threads cause."""
+    text = f"{type(error).__name__}: {error}"
+    return text + _SIGNAL_IN_THREAD_HINT if _SIGNAL_IN_THREAD in text else text
+
+
+def _own_arguments(
+    prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Sequence[Any]]
+) -> dict[str, Any]:
+    """One call's keyword arguments, each list copied."""
+    arguments = {"prompts": prompts, "completions": completions, **columns}
+    return {key: _copy(values) for key, values in arguments.items()}
+
+
+def _copy(values: Any) -> Any:
+    return values.copy() if isinstance(values, list) else values
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    """A reward call's time limit in seconds: a positive number or None (no limit)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ValueError(f"The reward timeout must be seconds or None, got {timeout!r}.")
+    if not 0 < timeout < math.inf:
+        raise ValueError(
+            f"The reward timeout is {timeout!r}; give a positive number of seconds, or None "
+            "for no limit."
+        )
+    return float(timeout)
 
 
 def _make_term(name: str, function: RewardFunction, weight: float) -> _RewardTerm:

@@ -4,10 +4,10 @@ Two ways a run can go on for hours while training on nothing:
   - steps whose loss or gradient norm is NaN/inf: the update skips them (`optim.ModelOptimizer`
     leaves the weights and AdamW's state alone), and `train.max_nonfinite_steps` of them in a row
     stop the run;
-  - a reward that fails (raises, or returns None/NaN) on most completions: `RewardSet` scores
-    those 0, so the advantages are 0 and nothing is learned; more than
-    `train.max_reward_failure_frac` of a step's completions in `train.max_failing_reward_steps`
-    steps in a row stop the run with the reward's first error.
+  - a reward that fails (raises, returns None/NaN, or passes `train.reward_timeout`) on most
+    completions: `RewardSet` scores those 0, so the advantages are 0 and nothing is learned;
+    more than `train.max_reward_failure_frac` of a step's completions in
+    `train.max_failing_reward_steps` steps in a row stop the run with the reward's first error.
 The guard reads only the step's metrics record, which the host holds already: no device work.
 Stopping raises `RunStopped` before the step's checkpoint, so the newest checkpoint on disk is
 the last one written from good steps.

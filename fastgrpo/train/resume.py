@@ -2,8 +2,8 @@
 putting the optimizer and schedule back so that the resumed run trains as its config says.
 
 Settings that only steer how training goes on (steps, learning rate and schedule, optimizer
-constants, clipping, sampling temperature and length, micro-batch size, evaluation, saving,
-logging, device) may change on resume: they apply from the next step, config.yaml says the new
+constants, clipping, sampling temperature and length, micro-batch size, reward time limit,
+evaluation, saving, logging, device) may change on resume: they apply from the next step, config.yaml says the new
 value, and each change is appended to the run folder's `config_changes.jsonl` as
 `{"after_step": N, "key": ..., "from": ..., "to": ...}` (N: the checkpoint resumed from).
 Every other setting (model, task, rewards, group shape, algorithm, precision, seed) made the
@@ -51,6 +51,7 @@ CHANGEABLE = frozenset(
         "train.micro_batch_tokens",
         "train.fused_lm_head",
         "train.parallel",  # a sharded run saves the one-process state: any layout continues it
+        "train.reward_timeout",  # a run stopped by a slow reward resumes with a longer limit
         "eval.num_problems",
         "eval.temperature",
         "eval.max_new_tokens",

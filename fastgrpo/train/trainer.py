@@ -101,7 +101,7 @@ def check_enough_prompts(config: Config, task: TaskData) -> None:
 
 def build_rewards(config: Config) -> RewardSet:
     try:
-        return RewardSet.from_specs(config.rewards)
+        return RewardSet.from_specs(config.rewards, timeout=config.train.reward_timeout)
     except ValueError as error:
         raise ConfigError(f"rewards: {error}") from error
 
