@@ -35,6 +35,7 @@ import torch
 from benchmarks.bench_rollout import commit  # noqa: E402
 from benchmarks.bench_scaling import error_tail
 from fastgrpo.config import load_config  # noqa: E402
+from fastgrpo.distributed.fsdp import read_fp32_weights
 from fastgrpo.distributed.sharded import read_one_process_state
 from fastgrpo.models import load_model, stop_token_ids
 from fastgrpo.models.loading import load_tokenizer
@@ -93,7 +94,9 @@ def masters_accuracy(args, seed: int, out_dir: Path) -> float | None:
     the bf16 model's accuracy is its bf16 inference. None for a run without masters."""
     state = load_trainer_state(latest_checkpoint(out_dir))["optimizer"]
     model, tokenizer, _ = load_model(args.model, dtype="float32", device=args.device)
-    if "shards" in state:  # a sharded job's: every parameter was bf16 with an fp32 master
+    if state.get("layout") == "fsdp":  # FSDP's shards are the fp32 weights themselves
+        state = {"master_weights": read_fp32_weights(state, model)}
+    elif "shards" in state:  # a sharded job's: every parameter was bf16 with an fp32 master
         state = read_one_process_state(state, list(model.parameters()), lambda p: True)
     if not state.get("master_weights"):
         return None

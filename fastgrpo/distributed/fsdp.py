@@ -192,3 +192,20 @@ class FullyShardedOptimizer:
         if stepped:
             set_optimizer_state_dict(self.sharding.model, self.adamw, state["optimizer"])
         self.sharding.gather_weights()
+
+
+def read_fp32_weights(meta: dict, model: torch.nn.Module) -> list[torch.Tensor]:
+    """An FSDP checkpoint's fp32 weights (`meta`: what rank 0 saved; `meta["shards"]`: the
+    folder torch.distributed.checkpoint wrote), whole, in `model.parameters()` order: in one
+    process, for evaluating the masters or inspecting a run."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in model.named_parameters()}
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=meta["shards"])
+    return list(state["model"].values())

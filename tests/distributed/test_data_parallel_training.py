@@ -200,6 +200,17 @@ def test_an_fsdp_checkpoint_resumed_without_fsdp_says_how_to_resume_it(tiny_mode
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fully sharded (FSDP) weights, gradients and optimizer state" in done.stdout
     assert len(list((latest_checkpoint(run) / SHARDS_FOLDER).glob("*.distcp"))) == 2
+    # the shards read back whole in one process are the (fp32) weights rank 0 wrote
+    from fastgrpo.distributed.fsdp import read_fp32_weights
+    from fastgrpo.models import load_model
+    from fastgrpo.train.checkpoint import load_trainer_state
+
+    meta = load_trainer_state(latest_checkpoint(run), trust=True)["optimizer"]
+    model = load_model(str(latest_checkpoint(run) / "model"), device="cpu", dtype="float32")[0]
+    read = read_fp32_weights(meta, model)
+    assert len(read) == len(list(model.parameters()))
+    for mine, theirs in zip(read, model.parameters()):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=0, atol=0)
     before = sorted(str(p) for p in run.rglob("*"))
     resumed = subprocess.run(
         [sys.executable, "-m", "fastgrpo", "train", "--resume", str(run), "--trust-run-code",
