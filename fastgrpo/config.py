@@ -114,8 +114,7 @@ class TrainConfig:
     # several processes (torchrun): sharded keeps 1/N of the fp32 masters, gradients and AdamW
     # moments on each GPU (ZeRO-2; the weights stay whole for the rollout engines); replicated
     # keeps all of it on every GPU (DDP); auto: sharded, measured faster and smaller
-    # auto | replicated | sharded (optimizer state over processes) | fsdp (weights too)
-    parallel: str = "auto"
+    parallel: str = "auto"  # auto | replicated | sharded (optimizer state) | fsdp (weights too)
     # a step whose loss or gradient norm is NaN/inf is skipped; this many in a row stop the run
     max_nonfinite_steps: int = 3  # stop after this many skipped (NaN/inf) steps in a row
     # a reward failing (raising, or giving NaN/None) on more than this fraction of a step's

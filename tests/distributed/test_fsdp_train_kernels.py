@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.distributed.test_data_parallel_update import VOCAB, tiny_models
+from tests.distributed.test_data_parallel_update import VOCAB, skip_teardown, tiny_models
 
 pytest.importorskip("triton")
 
@@ -71,6 +71,7 @@ def _rank_main(rank: int, size: int, store: str, out: str, checkpointing: bool) 
             )
     finally:
         dist.destroy_process_group()
+    skip_teardown()
 
 
 @pytest.mark.slow
