@@ -51,8 +51,8 @@ class FullySharded:
         self.rollout_model = copy.deepcopy(model).requires_grad_(False)
         if packed:
             self.rollout_model.pack_projections()
-        self.compute_dtype = model.lm_head_weight.dtype
-        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        compute = model.lm_head_weight.dtype  # the loaded weights' (bf16): the trainer's GEMMs
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         mesh = init_device_mesh(model.device.type, (world.size,))
         for layer in model.model.layers:  # one layer in fp32 at a time, then only its shards
             layer.float()
@@ -97,6 +97,66 @@ class FullySharded:
             torch._foreach_copy_(targets, [p.detach() for _, p in self._own(unit)])
             unit.reshard()
 
+    # ModelOptimizer steps the shards as it steps ShardedMasters': gradients(), the norm and the
+    # clip, AdamW, release_gradients(), gather_weights(). FSDP reduces each backward's gradients
+    # as a mean over the ranks, and each rank's loss is divided by the global batch's counts
+    # already, so the step multiplies them by this to make the sum.
+    @property
+    def gradient_scale(self) -> float:
+        return float(self.world.size)
+
+    def has_gradients(self) -> bool:
+        return all(p.grad is not None for p in self.params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This rank's pieces of the fp32 gradients (views: scaling them scales the shards)."""
+        return [p.grad.to_local() for p in self.params]
+
+    def release_gradients(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def stepped(self, adamw) -> bool:
+        """Whether `adamw` (over `params`) has stepped yet: its moments exist."""
+        return bool(adamw.state.get(self.params[0]))
+
+    def _state(self, adamw, with_moments: bool) -> dict:
+        """What torch.distributed.checkpoint writes and reads: the fp32 weight shards and, with
+        moments, AdamW's state (made now, zeros, if AdamW has not stepped yet)."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        state = {"model": get_model_state_dict(self.model)}
+        if with_moments:
+            state["optimizer"] = get_optimizer_state_dict(self.model, adamw)
+        return state
+
+    def save(self, adamw, folder) -> None:
+        """Every rank writes its shards of the fp32 weights and of AdamW's state. A collective."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(adamw, self.stepped(adamw)), checkpoint_id=folder)
+
+    def load(self, adamw, folder, stepped: bool) -> None:
+        """Read the shards `save` wrote (by any number of ranks) into this rank's, then refresh
+        the engine's copy. A collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = self._state(adamw, stepped)
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(self.model, state["model"])
+        if stepped:
+            set_optimizer_state_dict(self.model, adamw, state["optimizer"])
+        self.gather_weights()
+
 
 def idle_pass(model: Transformer, with_grad: bool) -> None:
     """One forward of a single token (and, `with_grad`, a backward of nothing: zero gradients
@@ -110,88 +170,6 @@ def idle_pass(model: Transformer, with_grad: bool) -> None:
         if with_grad:
             head = model.lm_head_weight  # outside the forward: give it a (zero) gradient too
             ((hidden.float().sum() + head.float().sum()) * 0.0).backward()
-
-
-class FullyShardedOptimizer:
-    """AdamW's step, and its checkpoint, over a `FullySharded` model's fp32 weight shards (the
-    DTensors FSDP made the parameters)."""
-
-    def __init__(self, sharding: FullySharded, adamw: torch.optim.Optimizer):
-        self.sharding, self.adamw, self.world = sharding, adamw, sharding.world
-        self.params = sharding.params
-
-    def step(self, max_grad_norm: float, loss, timer) -> tuple[torch.Tensor | None, bool]:
-        """As `ModelOptimizer.step`: FSDP has reduce-scattered every backward's gradients into
-        the shards already, as a mean over the ranks, which the clip turns back into the sum
-        (the loss of each rank is divided by the global batch's counts)."""
-        from contextlib import nullcontext
-
-        grads = [p.grad for p in self.params]
-        device = self.params[0].device
-        if not self.world.any(all(g is not None for g in grads), device):
-            self.zero_grad()  # no rank ran a backward: nothing to step
-            self.adamw.step()
-            return None, True
-        local = [g.to_local() for g in grads]
-        squares = torch.stack(torch._foreach_norm(local)).square().sum()
-        norm = self.world.sum(squares).sqrt() * self.world.size
-        finite = bool(
-            (torch.isfinite(norm) if loss is None else torch.isfinite(norm + loss)).item()
-        )
-        if self.world.any(not finite, device):
-            self.zero_grad()
-            return norm, False
-        scale = torch.full((), float(self.world.size), device=norm.device)
-        if max_grad_norm > 0:
-            scale = scale * (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(local, scale)
-        self.adamw.step()
-        self.zero_grad()
-        with timer("weight_gather") if timer is not None else nullcontext():
-            self.sharding.gather_weights()
-        return norm, True
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def stepped(self) -> bool:
-        return bool(self.adamw.state.get(self.params[0]))
-
-    def _state(self, with_moments: bool) -> dict:
-        """What torch.distributed.checkpoint writes and reads: the fp32 weight shards and, with
-        moments, AdamW's state (made now, zeros, if AdamW has not stepped yet)."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        state = {"model": get_model_state_dict(self.sharding.model)}
-        if with_moments:
-            state["optimizer"] = get_optimizer_state_dict(self.sharding.model, self.adamw)
-        return state
-
-    def save(self, folder) -> None:
-        """Every rank writes its shards of the fp32 weights and of AdamW's state. A collective."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._state(self.stepped()), checkpoint_id=folder)
-
-    def load(self, folder, stepped: bool) -> None:
-        """Read the shards `save` wrote (by any number of ranks) into this rank's, then refresh
-        the engine's copy. A collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        state = self._state(stepped)
-        dcp.load(state, checkpoint_id=folder)
-        set_model_state_dict(self.sharding.model, state["model"])
-        if stepped:
-            set_optimizer_state_dict(self.sharding.model, self.adamw, state["optimizer"])
-        self.sharding.gather_weights()
 
 
 def read_fp32_weights(meta: dict, model: torch.nn.Module) -> list[torch.Tensor]:

@@ -89,6 +89,8 @@ class ShardedMasters:
     backward passes), then the optimizer's clip and step on `flats`, then `gather_weights`;
     `release_gradients` frees the fp32 gradient shards."""
 
+    gradient_scale = 1.0  # the reduce-scatter sums: the shards hold the whole sum's pieces
+
     def __init__(
         self,
         groups: list[list[torch.nn.Parameter]],

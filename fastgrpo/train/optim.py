@@ -54,8 +54,6 @@ class ModelOptimizer:
             return
         stepped = self.params
         if fully_sharded is not None:  # the parameters are fp32 shards already: the masters
-            from fastgrpo.distributed.fsdp import FullyShardedOptimizer
-
             master_weights = "off"
         if wants_masters(master_weights, self.params):  # bf16/fp16 ones get fp32 masters
             low = [p for p in self.params if p.dtype in LOW_PRECISION]
@@ -72,8 +70,7 @@ class ModelOptimizer:
             groups, lr=learning_rate, betas=betas, eps=eps, fused=fused or None
         )
         self._stepped = stepped
-        if fully_sharded is not None:
-            self.fully_sharded = FullyShardedOptimizer(fully_sharded, self.adamw)
+        self.fully_sharded = fully_sharded
 
     @property
     def writes_shards(self) -> bool:
@@ -119,9 +116,15 @@ class ModelOptimizer:
         every rank when it is non-finite on any. `timer` (a PhaseTimer) times a sharded job's
         weight gather as its own phase."""
         if self.sharded is not None:
-            return self._sharded_step(max_grad_norm, loss, timer)
+            if not self.reduction.finish():
+                return None, True
+            return self._step_shards(self.sharded, max_grad_norm, loss, timer)
         if self.fully_sharded is not None:
-            return self.fully_sharded.step(max_grad_norm, loss, timer)
+            if not self.world.any(self.fully_sharded.has_gradients(), self.params[0].device):
+                self.zero_grad()  # no rank ran a backward: nothing to step
+                self.adamw.step()
+                return None, True
+            return self._step_shards(self.fully_sharded, max_grad_norm, loss, timer)
         if self.world is not None and not self._sum_gradients_over_ranks():
             return None, True
         if self.masters is not None and not self.masters.load_gradients():
@@ -152,21 +155,27 @@ class ModelOptimizer:
             self.masters.release_gradients()
         return norm, True
 
-    def _sharded_step(self, max_grad_norm, loss, timer) -> tuple[torch.Tensor | None, bool]:
-        shards = self.sharded
-        if not self.reduction.finish():
-            return None, True
+    def _step_shards(self, shards, max_grad_norm, loss, timer) -> tuple[torch.Tensor, bool]:
+        """The step of a job whose ranks each hold gradient shards (`ShardedMasters`, or
+        `FullySharded` whose shards hold 1/`gradient_scale` of the sum): the whole gradient's
+        norm from every rank's pieces, the clip, AdamW on the shards, then the weight gather."""
         grads = shards.gradients()
         squares = torch.stack(torch._foreach_norm(grads)).square().sum()
+        scale = shards.gradient_scale
         norm = self.world.sum(squares).sqrt()  # every rank's shards: the whole gradient's norm
+        if scale != 1.0:
+            norm = norm * scale
         finite = bool(
             (torch.isfinite(norm) if loss is None else torch.isfinite(norm + loss)).item()
         )
         if self.world.any(not finite, norm.device):
             shards.release_gradients()
             return norm, False
-        if max_grad_norm > 0:
-            torch._foreach_mul_(grads, (max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        if max_grad_norm > 0 or scale != 1.0:
+            factor = torch.full((), scale, device=norm.device)
+            if max_grad_norm > 0:
+                factor = factor * (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, factor)
         self.adamw.step()
         shards.release_gradients()
         with timer("weight_gather") if timer is not None else nullcontext():
@@ -193,7 +202,7 @@ class ModelOptimizer:
         if self.sharded is not None:
             return self._shards_description()
         if self.fully_sharded is not None:
-            stepped = self.fully_sharded.stepped()
+            stepped = self.fully_sharded.stepped(self.adamw)
             return {"shards": SHARDS_FOLDER, "layout": "fsdp", "stepped": stepped}
         state = {"adamw": self.adamw.state_dict()}
         if self.masters is not None:
@@ -206,7 +215,7 @@ class ModelOptimizer:
             state = {"adamw": state}
         check_layout(state, fsdp=self.fully_sharded is not None)
         if self.fully_sharded is not None:
-            return self.fully_sharded.load(state["shards"], state["stepped"])
+            return self.fully_sharded.load(self.adamw, state["shards"], state["stepped"])
         if "shards" in state and self.sharded is not None:
             return self._load_checkpoint_shards(state)
         if "shards" in state:  # a sharded run's checkpoint, continued without sharding
@@ -263,7 +272,7 @@ class ModelOptimizer:
                 "put run.output_dir on a filesystem every machine of the job shares"
             )
         if self.fully_sharded is not None:
-            return self.fully_sharded.save(Path(folder) / SHARDS_FOLDER)
+            return self.fully_sharded.save(self.adamw, Path(folder) / SHARDS_FOLDER)
         tensors = self.sharded.checkpoint_tensors(self.adamw, with_moments=self._has_moments())
         dcp.save(tensors, checkpoint_id=Path(folder) / SHARDS_FOLDER)
 
