@@ -113,7 +113,9 @@ class TrainConfig:
     seed: int = 0  # seed of the prompt order and of the sampling
     # several processes (torchrun): sharded keeps 1/N of the fp32 masters, gradients and AdamW
     # moments on each GPU (ZeRO-2; the weights stay whole for the rollout engines); replicated
-    # keeps all of it on every GPU (DDP); auto: sharded, measured faster and smaller
+    # keeps all of it on every GPU (DDP); fsdp shards the weights and gradients too (FSDP2; the
+    # engines sample from a whole bf16 copy); auto: sharded (measured faster and smaller than
+    # replicated), fsdp where sharded state would take more than half of a GPU
     parallel: str = "auto"  # auto | replicated | sharded (optimizer state) | fsdp (weights too)
     # a step whose loss or gradient norm is NaN/inf is skipped; this many in a row stop the run
     max_nonfinite_steps: int = 3  # stop after this many skipped (NaN/inf) steps in a row
