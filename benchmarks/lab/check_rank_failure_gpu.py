@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import string
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tests.conftest import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]  # the fastgrpo checkout the job imports
 
@@ -120,41 +121,6 @@ SCENARIOS = [
     Scenario("rank_killed", ends=True, error=r"Signal 9 \(SIGKILL\)", steps=50),
     Scenario("reward_hangs", ends=True, error=r"[Tt]imed? ?out"),
 ]
-
-
-def build_tiny_model(path: Path) -> Path:
-    """A random 2-layer Llama with a character tokenizer and a chat template (tests/conftest.py
-    builds the same one; copied so that this script needs nothing of the tests)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from transformers.utils.logging import disable_progress_bar
-
-    disable_progress_bar()
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token="<|im_start|>", unk_token="<|endoftext|>",
-    )  # fmt: skip
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, eos_token_id=vocab["<|im_end|>"],
-        pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|im_start|>"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def command(args, scenario: Scenario, root: Path) -> list[str]:
