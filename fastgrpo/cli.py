@@ -158,6 +158,15 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run_command(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a torchrun job
+        from fastgrpo.distributed.world import end_rank_process
+
+        end_rank_process(code)
+    return code
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for --nproc
