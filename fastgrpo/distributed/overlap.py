@@ -1,9 +1,10 @@
-"""Reduce-scatter of a sharded job's gradients overlapped with the last backward pass of each
-mini-batch, as DDP does with `no_sync` and bucket hooks.
+"""The gradient reduction of a data-parallel job overlapped with the last backward pass of each
+mini-batch, as DDP does with `no_sync` and bucket hooks: a sharded job's reduce-scatter
+(`sharded.ShardedMasters`), a replicated job's all-reduce (`replicated.ReplicatedGradients`).
 
 During that backward a post-accumulate-grad hook counts each parameter's final gradient in; a
 bucket (`sharded._Bucket`) whose parameters all have theirs is ready, and ready buckets are sent
-(fp32 reduce-scatter, `async_op=True`) strictly in one fixed order: the same on every rank, so the
+(fp32 collectives, `async_op=True`) strictly in one fixed order: the same on every rank, so the
 ranks issue the same collectives in the same order whatever their micro-batches. The order is the
 one backward mostly completes buckets in, by the first of their parameters in the model, last
 first; a bucket ready early waits for those before it. At the optimizer step, `finish` waits for
@@ -21,8 +22,6 @@ from contextlib import contextmanager
 
 import torch
 
-from fastgrpo.distributed.sharded import ShardedMasters
-
 IN_FLIGHT_BUCKETS = 2
 """Buckets sent and not waited for, at most, during the backward: each holds a fp32 staging copy
 (128 MiB for a full bucket); unbounded, they would add 2 bytes per parameter (4 of fp32 staging
@@ -37,7 +36,7 @@ class OverlappedReduction:
     `model_order`: the parameters in the model's order (`model.parameters()`), which fixes the
     order the buckets are sent in."""
 
-    def __init__(self, shards: ShardedMasters, model_order: list[torch.nn.Parameter]):
+    def __init__(self, shards, model_order: list[torch.nn.Parameter]):
         self.shards = shards
         position = {id(p): i for i, p in enumerate(model_order)}
         buckets = [(g, b) for g, group in enumerate(shards.buckets) for b in group]

@@ -49,6 +49,7 @@ class ModelOptimizer:
             raise ValueError("the model has no trainable parameters (requires_grad is off)")
         self.world = world if world is not None and world.size > 1 else None
         self.masters = self.sharded = self.reduction = self.fully_sharded = None
+        self.replicated = None
         if sharded and self.world is not None:
             self._shard(learning_rate, weight_decay, betas, eps, rounding, seed)
             return
@@ -71,6 +72,12 @@ class ModelOptimizer:
         )
         self._stepped = stepped
         self.fully_sharded = fully_sharded
+        if self.world is not None and fully_sharded is None:  # replicated
+            from fastgrpo.distributed.overlap import OverlappedReduction
+            from fastgrpo.distributed.replicated import ReplicatedGradients
+
+            self.replicated = ReplicatedGradients(self.params, self.world, self.masters)
+            self.reduction = OverlappedReduction(self.replicated, self.params)
 
     @property
     def writes_shards(self) -> bool:
@@ -125,13 +132,12 @@ class ModelOptimizer:
                 self.adamw.step()
                 return None, True
             return self._step_shards(self.fully_sharded, max_grad_norm, loss, timer)
-        if self.world is not None and not self._sum_gradients_over_ranks():
+        if self.reduction is not None:  # replicated: summed during the last backward
+            if not self.reduction.finish():
+                return None, True
+            self.replicated.deliver()
+        elif self.masters is not None and not self.masters.load_gradients():
             return None, True
-        if self.masters is not None and not self.masters.load_gradients():
-            return None, True
-        if self.world is not None and self.masters is not None:
-            full = [p.grad for p in self._stepped[len(self.masters.masters) :]]
-            self.world.all_reduce_sum_([self.masters.gradient_buffer(), *full])
         grads = [p.grad for p in self._stepped if p.grad is not None]
         if not grads:
             self.adamw.step()  # changes nothing; the schedule sees the optimizer stepped
@@ -181,20 +187,6 @@ class ModelOptimizer:
         with timer("weight_gather") if timer is not None else nullcontext():
             shards.gather_weights()
         return norm, True
-
-    def _sum_gradients_over_ranks(self) -> bool:
-        """Before a data-parallel step: False (every rank skips it) when no rank has a gradient;
-        else each parameter without one here gets zeros, and without masters the gradients are
-        summed now (with masters, in fp32 once they are loaded)."""
-        present = any(p.grad is not None for p in self.params)
-        if not self.world.any(present, self.params[0].device):
-            return False
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.masters is None:
-            self.world.all_reduce_sum_([p.grad for p in self.params])
-        return True
 
     def state_dict(self) -> dict:
         """The optimizer's state to save: its moments, masters and rounding stream. A sharded

@@ -75,11 +75,17 @@ class MasterWeights:
         and `release_gradients`): what a data-parallel job sums over its ranks in one call."""
         return self._grad_flat
 
-    def load_gradients(self) -> bool:
-        """Cast the parameters' gradients into the masters' fp32 gradients; False when no
-        parameter has one (nothing to step). A parameter without a gradient gets none: AdamW
-        leaves it alone, as it would the parameter itself."""
-        grads = [p.grad for p in self.params]
+    def open_gradients(self) -> torch.Tensor:
+        """Allocate the fp32 gradient buffer and return it, for a caller that fills it (a
+        replicated job's all-reduce, `distributed/replicated.py`) instead of `load_gradients`."""
+        self._grad_storage.resize_(self._grad_bytes)
+        return self._grad_flat
+
+    def load_gradients(self, grads: list | None = None) -> bool:
+        """Cast the parameters' gradients (or `grads`, one per parameter) into the masters'
+        fp32 gradients; False when no parameter has one (nothing to step). A parameter without
+        a gradient gets none: AdamW leaves it alone, as it would the parameter itself."""
+        grads = [p.grad for p in self.params] if grads is None else grads
         present = [g is not None for g in grads]
         if not any(present):
             return False

@@ -97,13 +97,14 @@ def run_update(
     batch: tuple[Rollout, torch.Tensor] | None = None,
     token_budget: int = 40,
     fsdp: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Two epochs over two mini-batches on this process's share of the global batch (`batch`,
     else `global_batch()`): the gradients AdamW stepped with (summed over the ranks) at each of
     the 4 steps (not recorded when `sharded`: AdamW then steps each rank's shard), the parameters
     after, the optimizer's state (`sharded`: its description, the shards written to the folder
     `shards`), and the completion tokens of each micro-batch of each mini-batch."""
-    policy, reference = tiny_models()
+    policy, reference = (m.to(dtype) for m in tiny_models())  # bf16: fp32 masters step
     rollout, advantages = global_batch() if batch is None else batch
     if world is not None:  # this rank's prompt groups, whole
         groups = world.share(list(range(PROMPTS)))
@@ -136,7 +137,7 @@ def run_update(
     grads, adamw_step = [], optimizer.adamw.step
 
     def recorded_step(*args, **kwargs):
-        grads.append(torch.cat([p.grad.flatten() for p in optimizer.params]))
+        grads.append(torch.cat([p.grad.flatten() for p in optimizer._stepped]))
         return adamw_step(*args, **kwargs)
 
     if not sharded and not fsdp:
