@@ -1,3 +1,3 @@
-from fastgrpo.cli import main
+from fastgrpo.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

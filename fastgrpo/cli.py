@@ -157,16 +157,19 @@ def _version() -> str:
     return f"fastgrpo {__version__}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    code = _run_command(argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a torchrun job
+def entry() -> int:
+    """The `fastgrpo` program (console script and `python -m fastgrpo`): `main`, then, in a rank
+    of a torchrun job, the process's end without the interpreter's teardown
+    (`distributed.world.end_rank_process`)."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from fastgrpo.distributed.world import end_rank_process
 
         end_rank_process(code)
     return code
 
 
-def _run_command(argv: list[str] | None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for --nproc
