@@ -129,6 +129,16 @@ class TrainConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # adapter rank r (peft's r); 0: no LoRA, every weight trains
+    alpha: float = 8.0  # peft's lora_alpha: the update is scaled by alpha / rank
+    dropout: float = 0.0  # peft's lora_dropout, on the adapters' input while training
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # or q_proj, ...
+    use_rslora: bool = False  # scale by alpha / sqrt(rank) instead (rank-stabilised LoRA)
+    adapter: str | None = None  # a peft LoRA adapter folder to start from (its settings apply)
+
+
+@dataclass
 class EvalConfig:
     num_problems: int = 100  # evaluate on the first N of the task's eval split
     temperature: float = 0.0  # sampling temperature of evaluations (0: greedy)
@@ -160,6 +170,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # null: no LoRA (full fine-tuning)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     # each: a built-in name or "module:function", or {name|function: ..., weight: float}
@@ -221,6 +232,8 @@ def _flatten(data: dict, prefix: str = ""):
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         section = getattr(Config(), key, None) if not prefix else None
+        if value is None and dataclasses.is_dataclass(section):  # `lora: null`: the defaults
+            continue
         if isinstance(value, dict) and dataclasses.is_dataclass(section):
             yield from _flatten(value, dotted + ".")
         else:
@@ -389,6 +402,9 @@ RANGES = {
     "eval.max_new_tokens": "[1, inf)",
     "eval.batch_size": "[1, inf)",
     "eval.every_steps": "[0, inf)",
+    "lora.rank": "[0, inf)",
+    "lora.alpha": "(0, inf)",
+    "lora.dropout": "[0, 1)",
     "run.save_every": "[0, inf)",
     "run.keep_checkpoints": "[1, inf)",
     "run.profile_steps": "[0, inf)",

@@ -57,6 +57,10 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    from fastgrpo.models.lora import is_adapter_folder
+
+    if is_adapter_folder(name):
+        return _load_adapted(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if backend not in BACKENDS:
         raise ValueError(f"model backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     _quiet_transformers()
@@ -102,6 +106,38 @@ def load_model(
     model.to(torch_device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, source
+
+
+def _load_adapted(folder: str, *, dtype, device, trust_remote_code: bool):
+    """A peft LoRA adapter folder: its base model (`base_model_name_or_path`) with the adapters
+    merged into the weights, ready to sample or evaluate; the folder's tokenizer if it has one."""
+    import json
+    from pathlib import Path
+
+    from fastgrpo.models.lora import (
+        ADAPTER_CONFIG,
+        LoraError,
+        add_adapters,
+        load_adapters,
+        merge_adapters,
+        read_adapter_settings,
+    )
+
+    settings = read_adapter_settings(folder)
+    base = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise LoraError(f"{folder}/{ADAPTER_CONFIG} names no base_model_name_or_path to load")
+    model, tokenizer, source = load_model(
+        base, dtype=dtype, device=device, trust_remote_code=trust_remote_code, backend="native"
+    )
+    add_adapters(model, settings)
+    load_adapters(model, folder)
+    merge_adapters(model)
+    if model.device.type == "cuda":  # the merged weights, packed again for the engine
+        model.pack_projections()
+    if (Path(folder) / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(ModelSource(folder, folder), None, trust_remote_code)
+    return model, tokenizer, ModelSource(source.path, f"{source.description} + LoRA {folder}")
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:

@@ -47,6 +47,7 @@ from fastgrpo.kernels.layers.swiglu import silu_mul, silu_mul_linear_train
 from fastgrpo.kernels.layers.token_inputs import embed_and_angles
 from fastgrpo.kernels.support import triton
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
+from fastgrpo.models.lora import LoraLinear, add_lora
 from fastgrpo.models.model_config import (  # noqa: F401 (re-exported: the model's own config)
     SUPPORTED_MODEL_TYPES,
     Llama3RopeScaling,
@@ -248,7 +249,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = add_rms_norm_train(x, residual, norm1.weight, norm1.eps)  # (T, H) each
-        qkv = packed_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], attn.qkv)
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv = add_lora(packed_linear(h, projections, attn.qkv), h, projections)
         T, D = qkv.shape[0], attn.head_dim
         q, k, v = qkv.split([attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], -1)
         q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)  # (T, heads, D)
@@ -260,9 +262,14 @@ class DecoderLayer(nn.Module):
         out = attend(attn.layer_index, q, k, v)  # (T, Hq, D)
         x = attn.o_proj(out.reshape(T, -1))  # (T, H)
         h, residual = add_rms_norm_train(x, residual, norm2.weight, norm2.eps)
-        gate_up = packed_linear(h, [mlp.gate_proj, mlp.up_proj], mlp.gate_up)  # (T, 2 I)
-        down = mlp.down_proj  # its input, silu(gate) * up, is recomputed in the backward
-        out = silu_mul_linear_train(gate_up, mlp.gate_proj.out_features, down.weight, down.bias)
+        projections = [mlp.gate_proj, mlp.up_proj]
+        gate_up = add_lora(packed_linear(h, projections, mlp.gate_up), h, projections)  # (T, 2 I)
+        down, inner = mlp.down_proj, mlp.gate_proj.out_features
+        # down_proj's input, silu(gate) * up, is recomputed in the backward
+        out = silu_mul_linear_train(gate_up, inner, down.weight, down.bias)
+        if isinstance(down, LoraLinear) and down.enabled:  # its adapter reads that input too
+            gate, up = gate_up.split(inner, dim=-1)
+            out = (out.float() + down.delta(F.silu(gate.float()) * up.float())).to(out.dtype)
         return out, residual
 
     def forward_fused(self, x, residual, cos, sin, attend: Attend):

@@ -34,6 +34,7 @@ import yaml
 from fastgrpo.config import ConfigError
 from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer, save_native_model
+from fastgrpo.models.lora import adapter_state_dict, save_adapters
 
 STATE_FILE = "trainer_state.pt"
 STATE_FORMAT = 2  # 2: loads with weights_only=True; files without the key need full unpickling
@@ -132,8 +133,12 @@ def save_checkpoint(
     config: dict,
     keep: int = 2,
     write_shards=None,
+    adapters=None,
+    base_model: str = "",
 ) -> Path:
     """Write checkpoint `step` atomically, then drop all but the newest `keep`; its folder.
+    `adapters` (a LoRA run's `LoraSettings`): `model/` holds `model`'s adapters in peft's format
+    (on the base model `base_model`) instead of the whole model.
 
     Raises CheckpointError (one line: why, and which checkpoint is intact) when the disk lacks
     room or a write fails; the temporary folder is removed in every case.
@@ -142,7 +147,8 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     state = {**trainer_state, "format": STATE_FORMAT, "step": step, "rng": rng_state()}
-    need = _tensor_bytes(model.state_dict()) + _tensor_bytes(state) + _SLACK_BYTES
+    weights = adapter_state_dict(model) if adapters is not None else model.state_dict()
+    need = _tensor_bytes(weights) + _tensor_bytes(state) + _SLACK_BYTES
     free = shutil.disk_usage(root).free
     if need > free:
         raise CheckpointError(
@@ -152,7 +158,9 @@ def save_checkpoint(
     partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         partial.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
-        if isinstance(model, Transformer):
+        if adapters is not None:
+            save_adapters(model, adapters, partial / "model", base_model)
+        elif isinstance(model, Transformer):
             save_native_model(model, partial / "model")
         else:
             model.save_pretrained(partial / "model")

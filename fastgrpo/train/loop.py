@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,12 +47,15 @@ from fastgrpo.train.scoring import score_old, score_reference
 from fastgrpo.train.stopping import Interrupted, StopRequest
 from fastgrpo.train.trainer import (
     Trainer,
+    attach_adapters,
     build_rewards,
     build_task_data,
     build_trainer,
     check_enough_prompts,
     check_fused_lm_head,
+    check_lora,
     load_configured_model,
+    lora_settings,
 )
 from fastgrpo.train.update import update_policy
 from fastgrpo.transfer import to_device
@@ -183,17 +185,24 @@ def _train(
     task = build_task_data(config)
     check_enough_prompts(config, task)
     rewards = build_rewards(config)
-    model_name = str(checkpoint / "model") if checkpoint else config.model.name
+    lora = lora_settings(config)  # None: full fine-tuning
+    model_name = str(checkpoint / "model") if checkpoint and not lora else config.model.name
     with local_main_first(world):  # a GGUF is converted (a hub model downloaded) once a machine
         model, tokenizer, _ = load_configured_model(config, model_name)
     check_fused_lm_head(config, model)  # fail here, before loading the reference or any rollout
+    if lora is not None:  # the base frozen, the adapters new or read from where the run left off
+        check_lora(config, model)
+        saved = checkpoint / "model" if checkpoint else config.lora.adapter
+        attach_adapters(model, lora, saved, seed=config.train.seed)
     ref_model = None
-    if config.algo.beta != 0:
+    if config.algo.beta != 0 and lora is None:  # LoRA's reference: the base, adapters off
         ref_model, _, _ = load_configured_model(config)
     sampler = PromptSampler(
         len(task.train), config.rollout.prompts_per_step, seed=config.train.seed
     )
-    trainer = build_trainer(config, model, tokenizer, ref_model, rewards=rewards, world=world)
+    trainer = build_trainer(
+        config, model, tokenizer, ref_model, rewards=rewards, world=world, lora=lora
+    )
     optimizer, scheduler = trainer.optimizer, trainer.scheduler
     step = 0
     if checkpoint is not None:
@@ -279,7 +288,10 @@ def _train(
                 where = save_checkpoint(
                     run_dir,
                     step,
-                    model=trainer.rollout_model,  # whole, where FSDP shards `model`
+                    # whole where FSDP shards `model`; a LoRA run's adapters (peft's files)
+                    model=model if lora else trainer.rollout_model,
+                    adapters=lora,
+                    base_model=config.model.name,
                     tokenizer=tokenizer,
                     trainer_state=state,
                     config=config.to_dict(),
@@ -302,7 +314,7 @@ def _train(
         raise
     except RunStopped:
         metrics.close()
-        release_engine(model)
+        release_engine(trainer.rollout_model)
         raise
     finally:
         stop.during_steps = False
@@ -321,7 +333,7 @@ def _train(
     if main and config.run.plots:
         _write_plots(run_dir, metrics)
     metrics.close()
-    release_engine(model)  # its KV cache and graphs go now, not at the next garbage collection
+    release_engine(trainer.rollout_model)  # its KV cache and graphs go now, not at the next GC
     return result
 
 
@@ -396,11 +408,10 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
             world=world,
             lockstep=trainer.lockstep,
         )
-        shards = trainer.reference_shards
-        with shards.whole() if shards is not None else nullcontext():
-            if trainer.ref_model is not None:
+        with trainer.reference() as reference:
+            if reference is not None:
                 score_reference(
-                    trainer.ref_model,
+                    reference,
                     plan,
                     temperature=r.temperature,
                     token_budget=t.micro_batch_tokens,

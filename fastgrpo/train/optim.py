@@ -50,6 +50,7 @@ class ModelOptimizer:
         self.world = world if world is not None and world.size > 1 else None
         self.masters = self.sharded = self.reduction = self.fully_sharded = None
         self.replicated = None
+        self.updates = 0  # optimizer steps taken: what has changed the weights
         if sharded and self.world is not None:
             self._shard(learning_rate, weight_decay, betas, eps, rounding, seed)
             return
@@ -122,6 +123,14 @@ class ModelOptimizer:
         data-parallel job the gradients are summed over the ranks first, and a step is skipped on
         every rank when it is non-finite on any. `timer` (a PhaseTimer) times a sharded job's
         weight gather as its own phase."""
+        norm, taken = self._step(max_grad_norm, loss, timer)
+        self.updates += taken and norm is not None
+        return norm, taken
+
+    def _step(
+        self, max_grad_norm: float, loss: torch.Tensor | None = None, timer=None
+    ) -> tuple[torch.Tensor | None, bool]:
+        """`step` without its count of the steps taken."""
         if self.sharded is not None:
             if not self.reduction.finish():
                 return None, True

@@ -8,6 +8,7 @@ benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,15 @@ import torch
 from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import DatasetError, TaskData, build_task
 from fastgrpo.models import Transformer, load_model, stop_token_ids
+from fastgrpo.models.lora import (
+    LoraError,
+    LoraSettings,
+    MergedWeights,
+    adapters_off,
+    add_adapters,
+    load_adapters,
+    read_adapter_settings,
+)
 from fastgrpo.rewards import RewardSet
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
 from fastgrpo.train.parallel import choose_parallel
@@ -45,12 +55,31 @@ class Trainer:
     reference_shards: object | None = None
     # fsdp jobs: the sharded model and the whole copy its engine samples from (distributed/fsdp.py)
     fully_sharded: object | None = None
+    # LoRA runs: the adapters' settings, and the merged weights the engine samples from
+    lora: LoraSettings | None = None
+    merged: MergedWeights | None = None
 
     @property
     def rollout_model(self):
-        """The model the engine samples from, evaluation scores and checkpoints write: the
-        policy itself, except under FSDP (its whole bf16 copy)."""
+        """The model the engine samples from and evaluation scores: the policy itself, except
+        under FSDP (its whole bf16 copy) and with LoRA (the adapters merged into a copy of the
+        adapted weights, refreshed here after they change)."""
+        if self.merged is not None:
+            return self.merged.current(self.optimizer.updates)
         return self.model if self.fully_sharded is None else self.fully_sharded.rollout_model
+
+    @contextmanager
+    def reference(self):
+        """The frozen reference model for the block (None when beta is 0): whole again where it
+        is sharded, and the policy with its adapters off in a LoRA run."""
+        if self.lora is not None and self.loss_settings.beta != 0:
+            with adapters_off(self.model) as base:
+                yield base
+        elif self.reference_shards is not None:
+            with self.reference_shards.whole():
+                yield self.ref_model
+        else:
+            yield self.ref_model
 
     @property
     def lockstep(self) -> bool:
@@ -119,6 +148,51 @@ def load_configured_model(config: Config, name: str | None = None):
     )
 
 
+def lora_settings(config: Config) -> LoraSettings | None:
+    """The run's LoRA settings (None: full fine-tuning): the `lora` section's, or those of the
+    adapter `lora.adapter` names, which the run continues."""
+    c = config.lora
+    if c.adapter is None:
+        if c.rank == 0:
+            return None
+        return LoraSettings(c.rank, c.alpha, c.dropout, list(c.target_modules), c.use_rslora)
+    try:
+        settings = read_adapter_settings(c.adapter)
+    except LoraError as error:
+        raise ConfigError(f"lora.adapter: {error}") from None
+    if c.rank not in (0, settings.rank):
+        raise ConfigError(
+            f"lora.rank={c.rank} but the adapter lora.adapter={c.adapter} has rank "
+            f"{settings.rank}; drop lora.rank (the adapter's settings apply)"
+        )
+    return settings
+
+
+def attach_adapters(model, settings: LoraSettings, folder=None, *, seed: int = 0) -> None:
+    """Freeze `model` and give it the adapters `settings` describe: new (B = 0, so the model is
+    unchanged), or read from `folder` (a checkpoint's, or a peft adapter to continue)."""
+    try:
+        add_adapters(model, settings, seed=seed)
+        if folder is not None:
+            load_adapters(model, folder)
+    except LoraError as error:
+        raise ConfigError(f"lora: {error}") from None
+
+
+def check_lora(config: Config, model) -> None:
+    """A ConfigError now for a LoRA run this model or layout cannot do."""
+    if not isinstance(model, Transformer):
+        raise ConfigError(
+            "lora: adapters train on fastgrpo's native model only for now (Llama, Qwen2/2.5/3, "
+            "Mistral, SmolLM2); this model loads through transformers (model.backend)"
+        )
+    if config.train.parallel == "fsdp":
+        raise ConfigError(
+            "lora with train.parallel=fsdp: the base is frozen and the adapters are small, so "
+            "shard nothing; use train.parallel=auto"
+        )
+
+
 def check_fused_lm_head(config: Config, model) -> bool:
     """Whether the update runs the fused LM-head kernels on `model`; a ConfigError now if
     train.fused_lm_head asks for kernels that cannot run there."""
@@ -136,6 +210,7 @@ def build_trainer(
     *,
     rewards: RewardSet | None = None,
     world=None,
+    lora: LoraSettings | None = None,
 ) -> Trainer:
     """The Trainer for an already-made policy `model` (and, when algo.beta != 0, its frozen
     reference `ref_model`, None otherwise): sets the model up for training as configured and
@@ -145,11 +220,14 @@ def build_trainer(
     benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
     """
     fused = check_fused_lm_head(config, model)
-    if (ref_model is None) != (config.algo.beta == 0):
+    needs_reference = config.algo.beta != 0 and lora is None  # LoRA: the base, adapters off
+    if (ref_model is None) == needs_reference:
         raise ValueError(
-            f"algo.beta={config.algo.beta} needs "
+            f"algo.beta={config.algo.beta}{' with LoRA' if lora else ''} needs "
             + ("a frozen reference model" if ref_model is None else "no reference model (None)")
         )
+    if lora is not None:
+        check_lora(config, model)
     native = isinstance(model, Transformer)
     if config.model.gradient_checkpointing and native:
         model.activation_checkpointing = True
@@ -193,6 +271,7 @@ def build_trainer(
         from fastgrpo.distributed.frozen import ShardedFrozen
 
         reference_shards = ShardedFrozen(ref_model, world)
+    merged = MergedWeights(model) if lora is not None else None
     return Trainer(
         model,
         ref_model,
@@ -208,6 +287,8 @@ def build_trainer(
         parallel,
         reference_shards,
         fully_sharded,
+        lora,
+        merged,
     )
 
 

@@ -1,0 +1,365 @@
+"""LoRA adapters on the native transformer, in peft's conventions (`lora:` in the config).
+
+A targeted `nn.Linear` becomes a `LoraLinear`: the same frozen weight (and bias), plus `lora_A`
+(r, in) and `lora_B` (out, r) in fp32, and `y = W x + b + scaling * B A dropout(x)` with
+`scaling = alpha / r` (`alpha / sqrt(r)` with rsLoRA), computed in fp32 and rounded once, as peft
+does. A starts as peft's Kaiming-uniform draw and B as zeros, so a new adapter changes nothing.
+Only the adapters train (AdamW steps the fp32 tensors directly: no masters are needed).
+
+The reference model of a LoRA run is the same model with its adapters switched off
+(`adapters_off`): no second copy in memory. The rollout engine samples from `MergedWeights`: a
+model that shares every untouched tensor with the trainer's and holds `W + scaling * B A` in the
+weights' dtype for each adapted linear, refreshed in place (its CUDA graphs read the same
+addresses) after the adapters change.
+
+On disk an adapter is peft's format: `adapter_config.json` and `adapter_model.safetensors`, keys
+`base_model.model.<module>.lora_A.weight`, which `peft.PeftModel.from_pretrained` loads onto the
+base model, and which `load_adapters` reads back (a run's checkpoint, or any peft LoRA adapter).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+ALL_LINEAR = "all-linear"
+
+
+class LoraError(ValueError):
+    """A LoRA setting or adapter file that cannot be used; the message says what to change."""
+
+
+@dataclass
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def peft_config(self, base_model: str, modules: list[str]) -> dict:
+        """adapter_config.json: what peft's LoraConfig reads (`modules`: the names adapted)."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": sorted({m.split(".")[-1] for m in modules}),
+            "use_rslora": self.use_rslora,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "modules_to_save": None,
+            "inference_mode": True,
+        }
+
+    @classmethod
+    def from_peft_config(cls, data: dict) -> LoraSettings:
+        if data.get("peft_type", "LORA") != "LORA":
+            raise LoraError(f"the adapter is {data.get('peft_type')}, not LoRA")
+        unsupported = {
+            key: data.get(key)
+            for key in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern",
+                        "alpha_pattern", "layers_to_transform")
+            if data.get(key)
+        }  # fmt: skip
+        if data.get("bias", "none") != "none":
+            unsupported["bias"] = data["bias"]
+        if unsupported:
+            raise LoraError(
+                f"the adapter uses {', '.join(f'{k}={v}' for k, v in unsupported.items())}, "
+                "which fastgrpo's LoRA does not support"
+            )
+        targets = data.get("target_modules") or [ALL_LINEAR]
+        return cls(
+            rank=int(data["r"]),
+            alpha=float(data.get("lora_alpha", 8)),
+            dropout=float(data.get("lora_dropout", 0.0)),
+            target_modules=[targets] if isinstance(targets, str) else list(targets),
+            use_rslora=bool(data.get("use_rslora", False)),
+        )
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear (its weight and bias frozen) with a LoRA adapter: lora_A (r, in) and lora_B
+    (out, r), fp32, trained. `enabled` False gives the base linear alone."""
+
+    def __init__(self, base: nn.Linear, settings: LoraSettings, generator=None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same tensors: nothing is copied
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        device = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, settings.rank, bias=False, device=device)
+        self.lora_B = nn.Linear(settings.rank, self.out_features, bias=False, device=device)
+        with torch.no_grad():  # peft's init: A Kaiming-uniform (a = sqrt 5), B zeros
+            bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) for fan_in
+            self.lora_A.weight.uniform_(-bound, bound, generator=generator)
+            self.lora_B.weight.zero_()
+        self.scaling = settings.scaling
+        self.dropout = settings.dropout
+        self.enabled = True
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scaling * B A dropout(x) in fp32, (..., out)."""
+        x = x.to(self.lora_A.weight.dtype)
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        return self.lora_B(self.lora_A(x)) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return out
+        return (out.float() + self.delta(x)).to(out.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scaling * B A, rounded once to the weight's dtype."""
+        update = self.lora_B.weight @ self.lora_A.weight  # (out, in) fp32
+        return (self.weight.float() + self.scaling * update).to(self.weight.dtype)
+
+
+def lora_delta(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The adapters' part (T, sum out) of several linears of one input x (a packed q/k/v or
+    gate/up GEMM gives the rest), fp32; None when none of them has an enabled adapter."""
+    if not any(isinstance(m, LoraLinear) and m.enabled for m in linears):
+        return None
+    parts = [
+        m.delta(x)
+        if isinstance(m, LoraLinear) and m.enabled
+        else x.new_zeros(x.shape[0], m.out_features, dtype=torch.float32)
+        for m in linears
+    ]
+    return torch.cat(parts, dim=-1)
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
+    """`out` (T, sum out), the base GEMM of `linears` on x, plus their adapters' part (fp32, one
+    rounding), or `out` itself when none is enabled."""
+    delta = lora_delta(x, linears)
+    return out if delta is None else (out.float() + delta).to(out.dtype)
+
+
+def target_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """The names of the nn.Linear modules `targets` selects, as peft matches them: a module whose
+    name is a target or ends with "." + a target; "all-linear": every linear but the LM head."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if ALL_LINEAR in targets:
+        if len(targets) > 1:
+            raise LoraError(f"lora.target_modules: '{ALL_LINEAR}' stands alone, not in a list")
+        return [n for n in linears if n.split(".")[-1] != "lm_head"]
+    chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
+    if not chosen:
+        names = sorted({n.split(".")[-1] for n in linears})
+        raise LoraError(
+            f"lora.target_modules {targets} matches no linear layer of this model; its linears "
+            f"are {', '.join(names)} (or use {ALL_LINEAR})"
+        )
+    return chosen
+
+
+def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> list[str]:
+    """Freeze `model` and give each targeted linear an adapter (in place); their names."""
+    if settings.rank < 1:
+        raise LoraError(f"lora.rank is {settings.rank}; give a rank >= 1 (0 means no LoRA)")
+    model.requires_grad_(False)
+    names = target_names(model, settings.target_modules)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, LoraLinear(getattr(owner, child), settings, generator))
+    return names
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return bool(lora_modules(model))
+
+
+@contextmanager
+def adapters_off(model: nn.Module):
+    """The base model: every adapter switched off inside the block (the LoRA reference)."""
+    modules = list(lora_modules(model).values())
+    for m in modules:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.enabled = True
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under peft's saved names (fp32, contiguous, on the CPU)."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        for part in ("lora_A", "lora_B"):
+            tensor = getattr(m, part).weight.detach()
+            out[f"{PEFT_PREFIX}{name}.{part}.weight"] = tensor.to("cpu", copy=True).contiguous()
+    return out
+
+
+def save_adapters(model: nn.Module, settings: LoraSettings, folder, base_model: str) -> None:
+    """Write the adapters in peft's format into `folder`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = settings.peft_config(base_model, list(lora_modules(model)))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(adapter_state_dict(model), str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def is_adapter_folder(path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_settings(folder) -> LoraSettings:
+    path = Path(folder) / ADAPTER_CONFIG
+    try:
+        return LoraSettings.from_peft_config(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        if isinstance(error, LoraError):
+            raise LoraError(f"{path}: {error}") from None
+        raise LoraError(f"{path} is not a readable peft LoRA config ({error})") from None
+
+
+@torch.no_grad()
+def load_adapters(model: nn.Module, folder) -> None:
+    """Read an adapter folder's tensors into `model`'s adapters (added with its settings)."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise LoraError(f"{folder} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    saved = {_strip_adapter_name(k): v for k, v in load_file(str(path)).items()}
+    mine = lora_modules(model)
+    expected = {f"{PEFT_PREFIX}{n}.{p}.weight" for n in mine for p in ("lora_A", "lora_B")}
+    missing, extra = sorted(expected - saved.keys()), sorted(saved.keys() - expected)
+    if missing or extra:
+        first = (missing or extra)[0]
+        raise LoraError(
+            f"{path} does not fit this model: {len(missing)} adapter tensor(s) missing and "
+            f"{len(extra)} unexpected (e.g. {first}); load it onto the base model it was "
+            "trained on"
+        )
+    for name, m in mine.items():
+        for part in ("lora_A", "lora_B"):
+            target = getattr(m, part).weight
+            tensor = saved[f"{PEFT_PREFIX}{name}.{part}.weight"]
+            if tensor.shape != target.shape:
+                raise LoraError(
+                    f"{path}: {name}.{part} is {tuple(tensor.shape)}, the model's adapter "
+                    f"{tuple(target.shape)}; the rank or the base model differs"
+                )
+            target.copy_(tensor)
+
+
+def _strip_adapter_name(key: str) -> str:
+    """peft writes `...lora_A.weight`; some tools keep the adapter's name (`lora_A.default.`)."""
+    return key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """`model` with every LoraLinear replaced by a plain linear holding its merged weight (in
+    place; for export and evaluation)."""
+    for name, m in list(lora_modules(model).items()):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        plain.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
+        if m.bias is not None:
+            plain.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
+        setattr(owner, child, plain)
+    return model
+
+
+class MergedWeights:
+    """What the rollout engine samples from in a LoRA run: a model sharing every tensor of
+    `model` but the adapted linears' weights, which hold W + scaling * B A (`refresh`)."""
+
+    def __init__(self, model: nn.Module):
+        self.source = model
+        adapted = lora_modules(model)
+        adapted_weights = {id(m.weight) for m in adapted.values()}
+        memo = {
+            id(t): t
+            for t in list(model.parameters()) + list(model.buffers())
+            if id(t) not in adapted_weights
+        }  # shared, not copied
+        packs = _take_packs(model)  # packed weights are not copied either: packed again below
+        try:
+            self.model = copy.deepcopy(model, memo)
+        finally:
+            _put_packs(model, packs)
+        merge_adapters(self.model)  # its own merged tensors in place of the shared bases
+        self.model.requires_grad_(False)
+        self.pairs = [(self.model.get_submodule(n), m) for n, m in adapted.items()]
+        if any(p is not None for p in packs):
+            self.model.pack_projections()
+        self.version = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Merge the current adapters into the engine's weights, in place."""
+        for plain, lora in self.pairs:
+            plain.weight.copy_(lora.merged_weight())
+
+    def current(self, version) -> nn.Module:
+        """The merged model, refreshed first if the adapters changed since (`version`: anything
+        that changes when they do, such as the optimizer's step count)."""
+        if version != self.version:
+            self.refresh()
+            self.version = version
+        return self.model
+
+
+def _take_packs(model) -> list:
+    """Detach a native model's packed projections (`PackedLinears`); what `_put_packs` restores."""
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    packs = []
+    for layer in layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        packs.append((getattr(attention, "qkv", None), getattr(mlp, "gate_up", None)))
+        if packs[-1] != (None, None):
+            attention.qkv = mlp.gate_up = None
+    return [p for pair in packs for p in pair]
+
+
+def _put_packs(model, packs: list) -> None:
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    for layer, qkv, gate_up in zip(layers, packs[0::2], packs[1::2]):
+        if qkv is not None or gate_up is not None:
+            layer.self_attn.qkv, layer.mlp.gate_up = qkv, gate_up

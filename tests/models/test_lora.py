@@ -1,0 +1,281 @@
+"""LoRA adapters (`models/lora.py`) against peft: the same logits and gradients on the same
+weights, peft's scaling (rsLoRA too) and init, files peft loads, and the pieces a LoRA run uses
+(adapters off is the base, the merged copy for the engine, the fused training path)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastgrpo.models import Transformer
+from fastgrpo.models.lora import (
+    ADAPTER_CONFIG,
+    LoraError,
+    LoraLinear,
+    LoraSettings,
+    MergedWeights,
+    adapters_off,
+    add_adapters,
+    load_adapters,
+    lora_modules,
+    merge_adapters,
+    save_adapters,
+    target_names,
+)
+from tests.models.test_transformer import FAMILIES, SEQUENCES, build_pair, packed_batch
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def randomise_adapters(model, seed: int = 5) -> None:
+    """B is zeros at first (the adapter changes nothing): give both factors random values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_A.weight.copy_(torch.randn(m.lora_A.weight.shape, generator=g) * 0.3)
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.3)
+
+
+def peft_twin(hf, ours, settings: LoraSettings):
+    """peft's LoRA model over `hf` with our adapters' values."""
+    targets = settings.target_modules
+    config = peft.LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        lora_dropout=0.0, use_rslora=settings.use_rslora,
+    )  # fmt: skip
+    twin = peft.get_peft_model(hf, config)
+    state = {}
+    for name, m in lora_modules(ours).items():
+        state[f"base_model.model.{name}.lora_A.default.weight"] = m.lora_A.weight.detach()
+        state[f"base_model.model.{name}.lora_B.default.weight"] = m.lora_B.weight.detach()
+    missing = set(state) - dict(twin.named_parameters()).keys()
+    assert not missing, sorted(missing)[:3]
+    twin.load_state_dict(state, strict=False)
+    return twin
+
+
+def ours_and_peft_logits(family: str, settings: LoraSettings):
+    hf_config = FAMILIES[family]()
+    hf, ours = build_pair(hf_config)
+    add_adapters(ours, settings)
+    randomise_adapters(ours)
+    twin = peft_twin(hf, ours, settings).eval()
+    ids, positions, cu = packed_batch(hf_config.vocab_size)
+    attend = ours.packed_attention(cu, max(n for _, n in SEQUENCES))
+    mine = ours.logits(ours(torch.cat(ids), positions, attend))
+    theirs = torch.cat(
+        [
+            twin(seq[None], position_ids=torch.arange(s, s + n)[None]).logits[0]
+            for seq, (s, n) in zip(ids, SEQUENCES)
+        ]
+    )
+    return ours, twin, mine, theirs
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "rslora"),
+    [
+        ("llama3-untied-bias", ["all-linear"], False),
+        ("qwen2-tied-mqa-sliding", ["q_proj", "v_proj"], False),
+        ("qwen3-qknorm-odd-head-dim", ALL, True),
+    ],
+)
+def test_the_adapted_model_gives_pefts_logits_and_adapter_gradients(family, targets, rslora):
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=targets, use_rslora=rslora)
+    ours, twin, mine, theirs = ours_and_peft_logits(family, settings)
+    assert (mine - theirs).abs().max() < 1e-5
+    weights = torch.randn(mine.shape, generator=torch.Generator().manual_seed(3))
+    (mine * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    peft_params = dict(twin.named_parameters())
+    trained = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    for name, param in ours.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None, name  # the base is frozen
+            continue
+        key = "base_model.model." + name.replace(".weight", ".default.weight")
+        expected = peft_params[key].grad
+        assert (param.grad - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max()), name
+
+
+def test_scaling_follows_pefts_alpha_over_rank_and_rslora():
+    assert LoraSettings(rank=16, alpha=32).scaling == 2.0
+    assert LoraSettings(rank=16, alpha=32, use_rslora=True).scaling == 8.0
+    hf, ours = build_pair(FAMILIES["llama-tied-pad"]())
+    add_adapters(ours, LoraSettings(rank=4, alpha=8.0))
+    layer = ours.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, LoraLinear) and layer.scaling == 2.0
+    assert torch.equal(layer.lora_B.weight, torch.zeros_like(layer.lora_B.weight))  # no change
+    bound = 1 / math.sqrt(layer.in_features)  # kaiming_uniform(a=sqrt 5), as peft draws A
+    assert layer.lora_A.weight.abs().max() <= bound and layer.lora_A.weight.std() > bound / 3
+
+
+def test_all_linear_skips_the_lm_head_and_names_that_match_nothing_say_which_exist():
+    _, ours = build_pair(FAMILIES["llama3-untied-bias"]())
+    names = target_names(ours, ["all-linear"])
+    assert len(names) == 2 * 7 and not any("lm_head" in n for n in names)
+    assert target_names(ours, ["q_proj"]) == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
+    with pytest.raises(LoraError, match="matches no linear layer.*down_proj.*all-linear"):
+        target_names(ours, ["query_key_value"])
+
+
+def adapted(family: str, settings: LoraSettings):
+    """(our model with random adapters, its logits function on the packed test batch)."""
+    hf_config = FAMILIES[family]()
+    _, ours = build_pair(hf_config)
+    add_adapters(ours, settings)
+    randomise_adapters(ours)
+    ids, positions, cu = packed_batch(hf_config.vocab_size)
+    attend = ours.packed_attention(cu, 9)
+
+    @torch.no_grad()
+    def logits(model):
+        return model.logits(model(torch.cat(ids), positions, attend))
+
+    return ours, logits
+
+
+def test_adapters_off_is_the_base_model():
+    ours, logits = adapted("llama3-untied-bias", LoraSettings(rank=4, alpha=8.0))
+    _, base = build_pair(FAMILIES["llama3-untied-bias"]())
+    want = logits(base)
+    with adapters_off(ours):
+        off = logits(ours)
+    on = logits(ours)
+    assert torch.equal(off, want)
+    assert (on - want).abs().max() > 1e-2  # and on again after the block
+
+
+def test_the_merged_copy_gives_the_adapted_logits_shares_the_rest_and_follows_updates():
+    hf_config = FAMILIES["llama3-untied-bias"]()
+    _, ours = build_pair(hf_config)
+    ours.pack_projections()
+    add_adapters(ours, LoraSettings(rank=4, alpha=8.0))
+    randomise_adapters(ours)
+    merged = MergedWeights(ours)
+    engine = merged.current(0)
+    assert engine.model.layers[0].is_packed()  # the engine's packed GEMMs, on merged weights
+    assert engine.model.embed_tokens.weight is ours.model.embed_tokens.weight  # shared
+    assert engine.lm_head.weight is ours.lm_head.weight
+    ids, positions, cu = packed_batch(hf_config.vocab_size)
+    attend = ours.packed_attention(cu, 9)
+
+    def logits(model):
+        with torch.no_grad():
+            return model.logits(model(torch.cat(ids), positions, attend))
+
+    torch.testing.assert_close(logits(engine), logits(ours), rtol=1e-5, atol=5e-5)
+    pointers = [p.data_ptr() for p in engine.parameters()]
+    randomise_adapters(ours, seed=9)  # as an optimizer step would change them
+    assert merged.current(0) is engine and (logits(engine) - logits(ours)).abs().max() > 1e-3
+    merged.current(1)  # a new version: merged again, in place
+    torch.testing.assert_close(logits(engine), logits(ours), rtol=1e-5, atol=5e-5)
+    assert [p.data_ptr() for p in engine.parameters()] == pointers  # CUDA graphs stay valid
+
+
+def test_saved_adapters_load_in_peft_in_another_process_with_the_same_logits(tmp_path):
+    hf_config = FAMILIES["llama3-untied-bias"]()
+    hf, ours = build_pair(hf_config)
+    hf.save_pretrained(tmp_path / "base")
+    settings = LoraSettings(rank=4, alpha=16.0, target_modules=["all-linear"])
+    add_adapters(ours, settings)
+    randomise_adapters(ours)
+    save_adapters(ours, settings, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 16.0
+    assert sorted(config["target_modules"]) == sorted(ALL)
+    ids = torch.arange(3, 12)
+    with torch.no_grad():
+        want = ours.logits(
+            ours(ids, torch.arange(9), ours.packed_attention(torch.tensor([0, 9]), 9))
+        )
+    torch.save(want, tmp_path / "want.pt")
+    script = f"""
+import torch, peft
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained({str(tmp_path / "base")!r}, dtype=torch.float32)
+model = peft.PeftModel.from_pretrained(base, {str(tmp_path / "adapter")!r}).eval()
+with torch.no_grad():
+    got = model(torch.arange(3, 12)[None]).logits[0]
+want = torch.load({str(tmp_path / "want.pt")!r})
+print("max diff", float((got - want).abs().max()))
+assert (got - want).abs().max() < 1e-5
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_peft_adapter_loads_back_and_a_wrong_one_is_one_line(tmp_path):
+    hf_config = FAMILIES["llama3-untied-bias"]()
+    hf, ours = build_pair(hf_config)
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    add_adapters(ours, settings)
+    randomise_adapters(ours)
+    peft_twin(hf, ours, settings).save_pretrained(tmp_path / "peft")  # peft's own files
+    _, again = build_pair(hf_config)
+    add_adapters(again, settings)
+    load_adapters(again, tmp_path / "peft")
+    for (name, a), (_, b) in zip(lora_modules(ours).items(), lora_modules(again).items()):
+        assert torch.equal(a.lora_A.weight, b.lora_A.weight), name
+        assert torch.equal(a.lora_B.weight, b.lora_B.weight), name
+    _, other = build_pair(hf_config)
+    add_adapters(other, LoraSettings(rank=4, alpha=8.0, target_modules=["all-linear"]))
+    with pytest.raises(LoraError, match="does not fit this model: 20 adapter tensor"):
+        load_adapters(other, tmp_path / "peft")
+
+
+def test_merging_gives_the_adapted_logits_in_a_plain_model():
+    ours, logits = adapted("mistral-sliding", LoraSettings(rank=2, alpha=4.0))
+    want = logits(ours)
+    merge_adapters(ours)
+    got = logits(ours)
+    assert not lora_modules(ours) and isinstance(ours, Transformer)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama3-untied-bias", "qwen3-qknorm-odd-head-dim"])
+def test_the_fused_training_path_gives_pefts_logits_and_gradients(family, monkeypatch):
+    """The CUDA trainer's forward (`forward_train`: packed q/k/v and gate/up GEMMs, the fused
+    SiLU-down kernel), interpreted: each adapter's part is added to its packed GEMM's output,
+    down_proj's from SiLU(gate) * up, and the frozen base gets no gradient."""
+    from fastgrpo.models import transformer
+
+    monkeypatch.setattr(transformer, "use_train_kernels", lambda x: True)
+    hf_config = FAMILIES[family]()
+    hf, ours = build_pair(hf_config)
+    ours.pack_projections()
+    settings = LoraSettings(rank=3, alpha=6.0)
+    add_adapters(ours, settings)
+    randomise_adapters(ours)
+    twin = peft_twin(hf, ours, settings).eval()
+    sequences = [(0, 5), (0, 3)]
+    ids, positions, cu = packed_batch(hf_config.vocab_size, sequences)
+    mine = ours.logits(ours(torch.cat(ids), positions, ours.packed_attention(cu, 5)))
+    theirs = torch.cat(
+        [
+            twin(seq[None], position_ids=torch.arange(s, s + n)[None]).logits[0]
+            for seq, (s, n) in zip(ids, sequences)
+        ]
+    )
+    assert (mine - theirs).abs().max() < 1e-4
+    weights = torch.randn(mine.shape, generator=torch.Generator().manual_seed(3))
+    (mine * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    peft_params = dict(twin.named_parameters())
+    for name, param in ours.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None, name
+            continue
+        expected = peft_params["base_model.model." + name.replace(".weight", ".default.weight")]
+        assert (param.grad - expected.grad).abs().max() <= 1e-4 * max(
+            1.0, expected.grad.abs().max()
+        ), name
