@@ -22,6 +22,8 @@ commands:
   train    run GRPO training (no CONFIG: the CPU quick start, SmolLM2-135M on arithmetic)
   eval     accuracy and mean reward of a model or checkpoint on a task split
   config   print the resolved configuration, or every valid key (--keys)
+  export   write a run's model as one Hugging Face folder (LoRA adapters merged)
+  plot     draw a run's metrics as PNGs
 
 examples:
   fastgrpo train
@@ -148,6 +150,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs matplotlib). A run writes them at its end too (run.plots).",
     )
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
+    export = commands.add_parser(
+        "export",
+        help="write a run's model as one Hugging Face folder (LoRA adapters merged)",
+        description="Write the model of a run (its latest checkpoint), a checkpoint, or a peft "
+        "LoRA adapter folder as one Hugging Face model folder with its tokenizer; a LoRA "
+        "adapter is merged into its base model's weights.",
+    )
+    export.add_argument(
+        "source", metavar="SOURCE", help="a run, checkpoint or peft LoRA adapter folder"
+    )
+    export.add_argument("out", metavar="OUT_DIR", help="the folder to write (new or empty)")
+    export.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the written weights' dtype (default: bfloat16)",
+    )
     return parser
 
 
@@ -179,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     tag = _rank_tag()
     logging.basicConfig(level=logging.WARNING, format=f"{tag}%(levelname)s %(name)s: %(message)s")
     try:
-        commands = {"train": run_train, "eval": run_eval, "config": run_config, "plot": run_plot}
+        commands = {
+            "train": run_train,
+            "eval": run_eval,
+            "config": run_config,
+            "plot": run_plot,
+            "export": run_export,
+        }
         return commands[args.command](args)
     except (UserError, RunStopped) as error:
         if switches.debug():
@@ -197,6 +222,28 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + number
+
+
+def run_export(args) -> int:
+    from fastgrpo.models import load_model, save_native_model
+    from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
+
+    source, out = Path(args.source), Path(args.out)
+    if not source.is_dir():
+        raise UserError(f"{source} is not a folder; give a run, checkpoint or adapter folder")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} is not empty; give a new or empty folder to write the model to")
+    folder = source
+    if (source / STATE_FILE).is_file() or latest_checkpoint(source) is not None:
+        checkpoint = source if (source / STATE_FILE).is_file() else latest_checkpoint(source)
+        folder = checkpoint / "model"
+    model, tokenizer, described = load_model(
+        str(folder), dtype=args.dtype, device="cpu", backend="native"
+    )
+    save_native_model(model, out)
+    tokenizer.save_pretrained(out)
+    print(f"wrote {out} ({described.description}, {args.dtype})")
+    return 0
 
 
 def run_plot(args) -> int:

@@ -101,3 +101,24 @@ def test_lora_settings_a_run_cannot_use_are_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="lora.rank=8 but the adapter .* has rank 4"):
         run_training(None, overrides=over)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_export_writes_a_lora_run_as_one_merged_model_transformers_loads(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    run_training(None, overrides=lora_overrides(tiny_model_dir, run, tmp_path, steps=1))
+    out = tmp_path / "merged"
+    assert main(["export", str(run), str(out), "--dtype", "float32"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, latest_checkpoint(run) / "model")
+    ids = torch.arange(5, 25)[None]
+    with torch.no_grad():
+        want, got = adapted(ids).logits, merged(ids).logits
+        with adapted.disable_adapter():
+            plain = adapted(ids).logits
+    assert (want - plain).abs().max() > 1e-4  # the adapters moved: merging them changes things
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert main(["export", str(run), str(out)]) == 2  # never over a folder with files
