@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_export(args) -> int:
-    from fastgrpo.models import load_model, save_native_model
+    from fastgrpo.models import Transformer, load_model, save_native_model
     from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
 
     source, out = Path(args.source), Path(args.out)
@@ -237,10 +237,11 @@ def run_export(args) -> int:
     if (source / STATE_FILE).is_file() or latest_checkpoint(source) is not None:
         checkpoint = source if (source / STATE_FILE).is_file() else latest_checkpoint(source)
         folder = checkpoint / "model"
-    model, tokenizer, described = load_model(
-        str(folder), dtype=args.dtype, device="cpu", backend="native"
-    )
-    save_native_model(model, out)
+    model, tokenizer, described = load_model(str(folder), dtype=args.dtype, device="cpu")
+    if isinstance(model, Transformer):
+        save_native_model(model, out)
+    else:
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(f"wrote {out} ({described.description}, {args.dtype})")
     return 0

@@ -128,13 +128,13 @@ def _load_adapted(folder: str, *, dtype, device, trust_remote_code: bool):
     if not base:
         raise LoraError(f"{folder}/{ADAPTER_CONFIG} names no base_model_name_or_path to load")
     model, tokenizer, source = load_model(
-        base, dtype=dtype, device=device, trust_remote_code=trust_remote_code, backend="native"
+        base, dtype=dtype, device=device, trust_remote_code=trust_remote_code
     )
     add_adapters(model, settings)
     load_adapters(model, folder)
     merge_adapters(model)
-    if model.device.type == "cuda":  # the merged weights, packed again for the engine
-        model.pack_projections()
+    if model.device.type == "cuda" and hasattr(model, "pack_projections"):  # native: the
+        model.pack_projections()  # merged weights, packed again for the engine
     if (Path(folder) / "tokenizer_config.json").is_file():
         tokenizer = load_tokenizer(ModelSource(folder, folder), None, trust_remote_code)
     return model, tokenizer, ModelSource(source.path, f"{source.description} + LoRA {folder}")

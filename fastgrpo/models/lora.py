@@ -231,11 +231,14 @@ def save_adapters(model: nn.Module, settings: LoraSettings, folder, base_model: 
     """Write the adapters in peft's format into `folder`."""
     from safetensors.torch import save_file
 
+    from fastgrpo.models.native_io import make_readable
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = settings.peft_config(base_model, list(lora_modules(model)))
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file(adapter_state_dict(model), str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    make_readable(folder / ADAPTER_WEIGHTS)
 
 
 def is_adapter_folder(path) -> bool:

@@ -176,4 +176,15 @@ def save_safetensors(model: Transformer, directory: str | Path) -> Path:
     # copies: packed projections share storage, which safetensors refuses to write
     state = {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
     save_file(state, str(path), metadata={"format": "pt"})
+    make_readable(path)
     return path
+
+
+def make_readable(path: Path) -> None:
+    """Give a written file the mode the umask gives new files (safetensors writes it 0600,
+    so nobody else could load a model from a shared folder)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

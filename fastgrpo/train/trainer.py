@@ -181,11 +181,6 @@ def attach_adapters(model, settings: LoraSettings, folder=None, *, seed: int = 0
 
 def check_lora(config: Config, model) -> None:
     """A ConfigError now for a LoRA run this model or layout cannot do."""
-    if not isinstance(model, Transformer):
-        raise ConfigError(
-            "lora: adapters train on fastgrpo's native model only for now (Llama, Qwen2/2.5/3, "
-            "Mistral, SmolLM2); this model loads through transformers (model.backend)"
-        )
     if config.train.parallel == "fsdp":
         raise ConfigError(
             "lora with train.parallel=fsdp: the base is frozen and the adapters are small, so "
@@ -233,6 +228,8 @@ def build_trainer(
         model.activation_checkpointing = True
     elif config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if lora is not None:  # the frozen embeddings' output must carry gradient into the layers
+            model.enable_input_require_grads()
     if not native:
         model.config.use_cache = True
     if ref_model is not None:
@@ -271,7 +268,8 @@ def build_trainer(
         from fastgrpo.distributed.frozen import ShardedFrozen
 
         reference_shards = ShardedFrozen(ref_model, world)
-    merged = MergedWeights(model) if lora is not None else None
+    # the native engine reads merged weights; HF generate runs the adapted model itself
+    merged = MergedWeights(model) if lora is not None and native else None
     return Trainer(
         model,
         ref_model,

@@ -339,3 +339,28 @@ def test_a_stop_signal_to_the_launcher_saves_every_ranks_shards_and_the_run_resu
 
 def _lines(path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", PARALLEL[:2])
+def test_a_two_process_lora_run_trains_the_adapters_one_process_trains(
+    tiny_model_dir, tmp_path, parallel
+):
+    """The adapters' optimizer state replicated or sharded, the base frozen on every rank, the
+    reference the base with adapters off on each: the one-process adapters."""
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    extra |= {"lora.rank": 4, "lora.alpha": 8, "train.learning_rate": 1e-2}
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_training(None, overrides=tiny_overrides(tiny_model_dir, one, steps=2, **extra))
+    extra["train.parallel"] = parallel
+    sets = [f"--set={s}" for s in tiny_overrides(tiny_model_dir, two, steps=2, **extra)]
+    done = torchrun_train(sets)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (
+        load_file(latest_checkpoint(run) / "model" / "adapter_model.safetensors")
+        for run in (one, two)
+    )
+    assert a.keys() == b.keys() and len(a) == 28
+    assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-4
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -123,3 +123,15 @@ def test_gguf_conversion_replaces_an_incomplete_folder_and_keeps_a_complete_one(
     convert_gguf(tmp_path / "model.gguf", target)
     assert (target / "marker").read_text() == "first"
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no partial left behind
+
+
+def test_a_saved_model_file_is_readable_by_others_as_the_umask_allows(tiny_model_dir, tmp_path):
+    """safetensors writes 0600; a model in a shared folder must load for everyone."""
+    import os
+
+    from fastgrpo.models import load_native_model, save_native_model
+
+    save_native_model(load_native_model(tiny_model_dir, device="cpu"), tmp_path / "out")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -5,6 +5,7 @@ adapter continues, and `fastgrpo eval` reads a LoRA run."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -29,16 +30,20 @@ def adapters(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(latest_checkpoint(run_dir) / "model" / "adapter_model.safetensors"))
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
 def test_a_lora_run_trains_only_the_adapters_and_loads_no_reference_model(
-    tiny_model_dir, tmp_path, monkeypatch
+    tiny_model_dir, tmp_path, monkeypatch, backend
 ):
+    """On the native model (the engine samples merged weights) and through transformers (HF
+    generate runs the adapted model)."""
     loads = []
     real = loop_module.load_configured_model
     monkeypatch.setattr(
         loop_module, "load_configured_model", lambda *a, **k: loads.append(a) or real(*a, **k)
     )
     run = tmp_path / "run"
-    result = run_training(None, overrides=lora_overrides(tiny_model_dir, run, tmp_path))
+    over = lora_overrides(tiny_model_dir, run, tmp_path, **{"model.backend": backend})
+    result = run_training(None, overrides=over)
     assert len(loads) == 1  # beta 0.04: the reference is the base with the adapters off
     folder = latest_checkpoint(run) / "model"
     assert sorted(p.name for p in folder.glob("adapter_*")) == [
@@ -46,6 +51,9 @@ def test_a_lora_run_trains_only_the_adapters_and_loads_no_reference_model(
         "adapter_model.safetensors",
     ]
     assert not list(folder.glob("model*.safetensors"))  # no copy of the frozen base
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (folder / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["base_model_name_or_path"] == tiny_model_dir
     saved = adapters(run)
