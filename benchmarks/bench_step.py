@@ -38,7 +38,7 @@ for allocation, Triton compilation and CUDA graph capture), completion tokens/s,
 phases (its time/* step metrics, medians), and peak GPU memory (torch.cuda.max_memory_allocated,
 less what the process held before the method started). Prints a table, then one JSON line.
 
-Run on a CUDA GPU:  python -m benchmarks.bench_step [--shape 1.5B] [--trl]
+Run on a CUDA GPU:  python -m benchmarks.bench_step [--shape 1.5B] [--trl] [--lora 16 [--no-full]]
 Smoke test on CPU:  python -m benchmarks.bench_step --tiny --device cpu --steps 1 --warmup 0
 """
 
@@ -64,7 +64,7 @@ from benchmarks.bench_rollout import (  # noqa: E402
 from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
 from fastgrpo.data import Example  # noqa: E402
 from fastgrpo.train.loop import grpo_step  # noqa: E402
-from fastgrpo.train.trainer import build_trainer  # noqa: E402
+from fastgrpo.train.trainer import attach_adapters, build_trainer, lora_settings  # noqa: E402
 
 END = "<|endoftext|>"  # EOS and pad; its id, the vocabulary size, is one the model cannot sample
 PHASES = ("rollout", "reward", "reference", "old_logprobs", "update", "optimizer")
@@ -144,19 +144,27 @@ def peak_gib(device, baseline: int) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
 
 
-def fastgrpo_trainer(args, device, dtype, tokenizer, prompts, world=None):
+def fastgrpo_trainer(args, device, dtype, tokenizer, prompts, world=None, lora_rank=0):
     """(config, trainer, examples) for this workload: random policy (and reference) models;
-    `world`: the data-parallel job the trainer is a rank of (bench_scaling.py)."""
+    `world`: the data-parallel job the trainer is a rank of (bench_scaling.py); `lora_rank`:
+    adapters of that rank on every linear layer (alpha = 2 x rank), the reference the base."""
     config = step_config(args)
     model = random_native_model(args.shape, device, dtype)
-    ref_model = random_native_model(args.shape, device, dtype) if args.beta else None
-    trainer = build_trainer(config, model, tokenizer, ref_model, world=world)
+    lora = None
+    if lora_rank:
+        config.lora.rank, config.lora.alpha = lora_rank, 2.0 * lora_rank
+        lora = lora_settings(config)
+        attach_adapters(model, lora)
+    ref_model = random_native_model(args.shape, device, dtype) if args.beta and not lora else None
+    trainer = build_trainer(config, model, tokenizer, ref_model, world=world, lora=lora)
     return config, trainer, [Example(prompt=text, answer="0") for text in prompts]
 
 
-def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
+def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
     baseline = memory_baseline(device)
-    config, trainer, examples = fastgrpo_trainer(args, device, dtype, tokenizer, prompts)
+    config, trainer, examples = fastgrpo_trainer(
+        args, device, dtype, tokenizer, prompts, lora_rank=lora_rank
+    )
     torch.manual_seed(0)
     seconds, records = [], []
     for _ in range(args.warmup + args.steps):
@@ -172,6 +180,8 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts) -> dict:
     name = (
         "fastgrpo" if args.master_weights == "auto" else f"fastgrpo, masters {args.master_weights}"
     )
+    if lora_rank:
+        name = f"fastgrpo, LoRA r={lora_rank}"
     row = summary(
         name,
         seconds[args.warmup :],
@@ -330,7 +340,7 @@ def print_table(results, forced: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("0.5B", "1.5B"), default="0.5B")
+    parser.add_argument("--shape", choices=("0.5B", "1.5B", "7B"), default="0.5B")
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt")
@@ -354,6 +364,12 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer")
     parser.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="also a LoRA run: rank R, all linears"
+    )
+    parser.add_argument(
+        "--no-full", action="store_true", help="skip the full fine-tune (with --lora: 7B)"
+    )
+    parser.add_argument(
         "--trl-cache", choices=("static",), help="TRL's cache_implementation for generate"
     )
     args = parser.parse_args()
@@ -365,7 +381,9 @@ def main():
     tokenizer = synthetic_tokenizer(vocab)
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
 
-    results = [run_fastgrpo(args, device, dtype, tokenizer, prompts)]
+    results = [] if args.no_full else [run_fastgrpo(args, device, dtype, tokenizer, prompts)]
+    if args.lora:
+        results.append(run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=args.lora))
     if args.trl:
         trl_row = run_trl(args, device, dtype, tokenizer, prompts)
         if trl_row is not None:
@@ -381,6 +399,7 @@ def main():
         "beta": args.beta,
         "micro_batch_tokens": args.micro_batch_tokens,
         "master_weights": args.master_weights,
+        "lora_rank": args.lora,
         "steps": args.steps,
         "warmup": args.warmup,
     }
