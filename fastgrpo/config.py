@@ -135,6 +135,7 @@ class LoraConfig:
     dropout: float = 0.0  # peft's lora_dropout, on the adapters' input while training
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # or q_proj, ...
     use_rslora: bool = False  # scale by alpha / sqrt(rank) instead (rank-stabilised LoRA)
+    modules_to_save: list[str] = field(default_factory=list)  # trained whole: embed_tokens, lm_head
     adapter: str | None = None  # a peft LoRA adapter folder to start from (its settings apply)
 
 

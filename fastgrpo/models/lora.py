@@ -47,6 +47,7 @@ class LoraSettings:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     use_rslora: bool = False
+    modules_to_save: list[str] = field(default_factory=list)  # trained whole (embeddings, head)
 
     @property
     def scaling(self) -> float:
@@ -66,7 +67,7 @@ class LoraSettings:
             "bias": "none",
             "fan_in_fan_out": False,
             "init_lora_weights": True,
-            "modules_to_save": None,
+            "modules_to_save": list(self.modules_to_save) or None,
             "inference_mode": True,
         }
 
@@ -76,8 +77,8 @@ class LoraSettings:
             raise LoraError(f"the adapter is {data.get('peft_type')}, not LoRA")
         unsupported = {
             key: data.get(key)
-            for key in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern",
-                        "alpha_pattern", "layers_to_transform")
+            for key in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                        "layers_to_transform")
             if data.get(key)
         }  # fmt: skip
         if data.get("bias", "none") != "none":
@@ -94,6 +95,7 @@ class LoraSettings:
             dropout=float(data.get("lora_dropout", 0.0)),
             target_modules=[targets] if isinstance(targets, str) else list(targets),
             use_rslora=bool(data.get("use_rslora", False)),
+            modules_to_save=list(data.get("modules_to_save") or []),
         )
 
 
@@ -180,7 +182,9 @@ def target_names(model: nn.Module, targets: list[str]) -> list[str]:
 
 
 def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> list[str]:
-    """Freeze `model` and give each targeted linear an adapter (in place); their names."""
+    """Freeze `model` and give each targeted linear an adapter (in place); their names. The
+    modules of `settings.modules_to_save` train whole; their original tensors are kept aside
+    for the reference (`adapters_off`)."""
     if settings.rank < 1:
         raise LoraError(f"lora.rank is {settings.rank}; give a rank >= 1 (0 means no LoRA)")
     model.requires_grad_(False)
@@ -190,7 +194,34 @@ def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> lis
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, LoraLinear(getattr(owner, child), settings, generator))
+    originals = {}
+    for name in saved_module_names(model, settings.modules_to_save, exclude=names):
+        for param in model.get_submodule(name).parameters():
+            if id(param) not in originals:  # tied embeddings: one tensor, kept once
+                originals[id(param)] = (param, param.detach().clone())
+            param.requires_grad_(True)
+    model.__dict__[_ORIGINALS] = list(originals.values())
     return names
+
+
+_ORIGINALS = "_fastgrpo_lora_originals"  # (trained parameter, its base value) of modules_to_save
+
+
+def saved_module_names(model: nn.Module, targets: list[str], exclude=()) -> list[str]:
+    """The modules `lora.modules_to_save` names (matched as peft matches them)."""
+    if not targets:
+        return []
+    named = [n for n, m in model.named_modules() if n and list(m.parameters(recurse=False))]
+    chosen = [n for n in named if any(n == t or n.endswith("." + t) for t in targets)]
+    clash = sorted(set(chosen) & set(exclude))
+    if clash:
+        raise LoraError(f"{clash[0]} is both adapted and in lora.modules_to_save; choose one")
+    if not chosen:
+        raise LoraError(
+            f"lora.modules_to_save {targets} matches no module of this model with its own "
+            "weights (e.g. embed_tokens, lm_head)"
+        )
+    return chosen
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
@@ -203,28 +234,49 @@ def has_adapters(model: nn.Module) -> bool:
 
 @contextmanager
 def adapters_off(model: nn.Module):
-    """The base model: every adapter switched off inside the block (the LoRA reference)."""
+    """The base model inside the block (the LoRA reference): every adapter switched off, and the
+    modules trained whole (`modules_to_save`) holding their original tensors."""
     modules = list(lora_modules(model).values())
+    swapped = model.__dict__.get(_ORIGINALS, [])
     for m in modules:
         m.enabled = False
+    trained = [param.data for param, _ in swapped]
+    for param, original in swapped:
+        param.data = original
     try:
         yield model
     finally:
         for m in modules:
             m.enabled = True
+        for (param, _), data in zip(swapped, trained):
+            param.data = data
 
 
 # ----------------------------------------------------------------------------- files
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors under peft's saved names (fp32, contiguous, on the CPU)."""
+    """The adapters' tensors (and those of the modules trained whole) under peft's saved names
+    (contiguous, on the CPU)."""
     out = {}
     for name, m in lora_modules(model).items():
         for part in ("lora_A", "lora_B"):
             tensor = getattr(m, part).weight.detach()
             out[f"{PEFT_PREFIX}{name}.{part}.weight"] = tensor.to("cpu", copy=True).contiguous()
+    for name, tensor in _saved_tensors(model).items():
+        out[f"{PEFT_PREFIX}{name}"] = tensor.detach().to("cpu", copy=True).contiguous()
     return out
+
+
+def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of the modules trained whole, by name (a tied tensor under each name
+    peft would save it under: the embedding's, and the LM head's when it is listed too)."""
+    trained = {id(param) for param, _ in model.__dict__.get(_ORIGINALS, [])}
+    return {
+        n: p
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in trained and ".lora_" not in n
+    }
 
 
 def save_adapters(model: nn.Module, settings: LoraSettings, folder, base_model: str) -> None:
@@ -265,7 +317,14 @@ def load_adapters(model: nn.Module, folder) -> None:
         raise LoraError(f"{folder} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
     saved = {_strip_adapter_name(k): v for k, v in load_file(str(path)).items()}
     mine = lora_modules(model)
+    whole = _saved_tensors(model)
     expected = {f"{PEFT_PREFIX}{n}.{p}.weight" for n in mine for p in ("lora_A", "lora_B")}
+    names_of: dict[int, list[str]] = {}  # a tied tensor may be saved under any of its names
+    for n, param in whole.items():
+        names_of.setdefault(id(param), []).append(f"{PEFT_PREFIX}{n}")
+    for names in names_of.values():
+        present = [n for n in names if n in saved]
+        expected |= set(present or names[:1])
     missing, extra = sorted(expected - saved.keys()), sorted(saved.keys() - expected)
     if missing or extra:
         first = (missing or extra)[0]
@@ -284,11 +343,21 @@ def load_adapters(model: nn.Module, folder) -> None:
                     f"{tuple(target.shape)}; the rank or the base model differs"
                 )
             target.copy_(tensor)
+    for name, param in whole.items():
+        tensor = saved.get(f"{PEFT_PREFIX}{name}")
+        if tensor is not None:
+            if tensor.shape != param.shape:
+                raise LoraError(
+                    f"{path}: {name} is {tuple(tensor.shape)}, the model's {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
 
 
 def _strip_adapter_name(key: str) -> str:
     """peft writes `...lora_A.weight`; some tools keep the adapter's name (`lora_A.default.`)."""
-    return key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+    for part in ("lora_A", "lora_B", "modules_to_save"):
+        key = key.replace(f".{part}.default.", f".{part}.")
+    return key.replace(".modules_to_save.", ".")
 
 
 # ----------------------------------------------------------------------------- merging
@@ -306,6 +375,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
         if m.bias is not None:
             plain.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
         setattr(owner, child, plain)
+    model.__dict__.pop(_ORIGINALS, None)  # the base values of modules_to_save: no use now
     return model
 
 
@@ -323,12 +393,16 @@ class MergedWeights:
             if id(t) not in adapted_weights
         }  # shared, not copied
         packs = _take_packs(model)  # packed weights are not copied either: packed again below
+        originals = model.__dict__.pop(_ORIGINALS, None)  # the reference's, not the engine's
         try:
             self.model = copy.deepcopy(model, memo)
         finally:
             _put_packs(model, packs)
-        merge_adapters(self.model)  # its own merged tensors in place of the shared bases
-        self.model.requires_grad_(False)
+            if originals is not None:
+                model.__dict__[_ORIGINALS] = originals
+        # its own merged tensors in place of the shared bases; the shared tensors keep their
+        # requires_grad (the trained modules_to_save are the trainer's own)
+        merge_adapters(self.model)
         self.pairs = [(self.model.get_submodule(n), m) for n, m in adapted.items()]
         if any(p is not None for p in packs):
             self.model.pack_projections()

@@ -155,7 +155,14 @@ def lora_settings(config: Config) -> LoraSettings | None:
     if c.adapter is None:
         if c.rank == 0:
             return None
-        return LoraSettings(c.rank, c.alpha, c.dropout, list(c.target_modules), c.use_rslora)
+        return LoraSettings(
+            c.rank,
+            c.alpha,
+            c.dropout,
+            list(c.target_modules),
+            c.use_rslora,
+            list(c.modules_to_save),
+        )
     try:
         settings = read_adapter_settings(c.adapter)
     except LoraError as error:

@@ -279,3 +279,53 @@ def test_the_fused_training_path_gives_pefts_logits_and_gradients(family, monkey
         assert (param.grad - expected.grad).abs().max() <= 1e-4 * max(
             1.0, expected.grad.abs().max()
         ), name
+
+
+def test_modules_to_save_train_whole_as_in_peft_and_the_reference_keeps_their_base(tmp_path):
+    """lm_head in modules_to_save: it trains beside the adapters (peft's gradients), its trained
+    values go into the adapter file (peft loads it), and adapters_off gives the base head."""
+    hf_config = FAMILIES["llama3-untied-bias"]()
+    hf, ours = build_pair(hf_config)
+    base_head = ours.lm_head.weight.detach().clone()
+    settings = LoraSettings(
+        rank=2, alpha=4.0, target_modules=["q_proj"], modules_to_save=["lm_head"]
+    )
+    add_adapters(ours, settings)
+    randomise_adapters(ours)
+    with torch.no_grad():  # as training would move it
+        ours.lm_head.weight.add_(0.05 * torch.randn_like(base_head))
+    twin = peft.get_peft_model(
+        hf,
+        peft.LoraConfig(
+            r=2, lora_alpha=4.0, target_modules=["q_proj"], modules_to_save=["lm_head"]
+        ),
+    )
+    state = {f"base_model.model.{n}.lora_{p}.default.weight": getattr(m, f"lora_{p}").weight
+             for n, m in lora_modules(ours).items() for p in "AB"}  # fmt: skip
+    state["base_model.model.lm_head.modules_to_save.default.weight"] = ours.lm_head.weight
+    twin.load_state_dict({k: v.detach() for k, v in state.items()}, strict=False)
+    ids, positions, cu = packed_batch(hf_config.vocab_size)
+    mine = ours.logits(ours(torch.cat(ids), positions, ours.packed_attention(cu, 9)))
+    theirs = torch.cat(
+        [twin(seq[None], position_ids=torch.arange(s, s + n)[None]).logits[0]
+         for seq, (s, n) in zip(ids, SEQUENCES)]
+    )  # fmt: skip
+    assert (mine - theirs).abs().max() < 1e-5
+    weights = torch.randn(mine.shape, generator=torch.Generator().manual_seed(3))
+    (mine * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    peft_head = dict(twin.named_parameters())[
+        "base_model.model.lm_head.modules_to_save.default.weight"
+    ]
+    assert ours.lm_head.weight.grad is not None
+    torch.testing.assert_close(ours.lm_head.weight.grad, peft_head.grad, rtol=1e-4, atol=1e-5)
+    with adapters_off(ours):
+        assert torch.equal(ours.lm_head.weight, base_head)
+    assert not torch.equal(ours.lm_head.weight, base_head)  # the trained head is back
+    save_adapters(ours, settings, tmp_path / "ours", base_model="unused")
+    twin.save_pretrained(tmp_path / "peft")
+    for folder in (tmp_path / "ours", tmp_path / "peft"):  # either file loads into a fresh model
+        _, again = build_pair(hf_config)
+        add_adapters(again, settings)
+        load_adapters(again, folder)
+        assert torch.equal(again.lm_head.weight, ours.lm_head.weight.detach())

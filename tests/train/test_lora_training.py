@@ -130,3 +130,25 @@ def test_export_writes_a_lora_run_as_one_merged_model_transformers_loads(tiny_mo
     assert (want - plain).abs().max() > 1e-4  # the adapters moved: merging them changes things
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert main(["export", str(run), str(out)]) == 2  # never over a folder with files
+
+
+def test_a_run_with_the_embeddings_trained_whole_saves_them_and_resumes_exactly(
+    tiny_model_dir, tmp_path
+):
+    """lora.modules_to_save=[embed_tokens] on a model whose head is tied to it: both train, the
+    adapter file holds the embedding, the reference (adapters off) is the base, resume is exact."""
+    extra = {"lora.modules_to_save": "[embed_tokens]"}
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    result = run_training(
+        None, overrides=lora_overrides(tiny_model_dir, straight, tmp_path, steps=2, **extra)
+    )
+    assert result.history[0]["kl"] == pytest.approx(0.0, abs=1e-9)
+    run_training(None, overrides=lora_overrides(tiny_model_dir, halves, tmp_path, steps=1, **extra))
+    config = load_resume_config(str(halves), ["train.steps=2"], trust_run_code=True)
+    run_training(config, resume=True, trust_run_code=True)
+    a, b = adapters(straight), adapters(halves)
+    key = "base_model.model.model.embed_tokens.weight"
+    base = load_file(f"{tiny_model_dir}/model.safetensors")["model.embed_tokens.weight"]
+    assert key in a and float((a[key] - base).abs().max()) > 1e-4  # it trained
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
