@@ -80,6 +80,8 @@ class AlgoConfig:
     baseline: str = "mean"  # mean | leave_one_out: what is subtracted from a reward
     entropy_coef: float = 0.0  # weight of the entropy bonus in the loss
     mask_truncated_completions: bool = False  # cut-off completions get no gradient
+    dynamic_sampling: bool = False  # DAPO: drop equal-reward groups, roll out more prompts
+    dynamic_sampling_max_rounds: int = 3  # rollouts a step may make to fill its batch
     importance_sampling_correction: bool = False  # truncated IS for rollout/trainer mismatch
     importance_sampling_cap: float = 2.0  # cap of that importance weight
 
@@ -382,6 +384,7 @@ RANGES = {
     "algo.delta": "(1, 100]",
     "algo.entropy_coef": "[0, 1]",
     "algo.importance_sampling_cap": "[1, 100]",
+    "algo.dynamic_sampling_max_rounds": "[1, 100]",
     "train.steps": "[0, inf)",
     "train.learning_rate": "[0, 1]",  # 0 is a dry run: every phase, no change to the weights
     "train.warmup_steps": "[0, inf)",

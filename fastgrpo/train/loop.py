@@ -33,6 +33,7 @@ from fastgrpo.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from fastgrpo.train.dynamic_sampling import Sampled, fill_informative
 from fastgrpo.train.evaluate import run_evaluator
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
@@ -250,8 +251,9 @@ def _train(
     try:
         while step < config.train.steps and not stop.requested:
             examples = [task.train[i] for i in sampler.next_batch()]
+            more = lambda: [task.train[i] for i in sampler.next_batch()]  # noqa: E731
             with profiler.step(step + 1):
-                record = grpo_step(config, trainer, examples)
+                record = grpo_step(config, trainer, examples, more)
             step += 1
             if step == profiler.last:
                 _report_trace(result, metrics, profiler.finish())
@@ -357,35 +359,38 @@ def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -
 # ----------------------------------------------------------------------------- one step
 
 
-def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
+def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=None) -> dict:
     """One GRPO step on a batch of prompts, phase by phase; returns its metrics.
 
     In a data-parallel job (`trainer.world`) `examples` is the global batch: this rank takes its
     share of whole prompt groups, each row sampling with its number in the global batch, and the
     batch-wide quantities (reward std, loss normalisers, gradients, metrics) are reduced over the
-    ranks, so the step is the one-process step of the same batch."""
+    ranks, so the step is the one-process step of the same batch. With algo.dynamic_sampling,
+    `more_examples()` gives the next batch of prompts when groups of equal rewards were dropped."""
     model, r, t, world = trainer.model, config.rollout, config.train, trainer.world
     timer = PhaseTimer(model.device)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     step_start = time.perf_counter()
-    row_ids = None
-    if world is not None:
-        mine = world.share(range(len(examples)))
-        examples = [examples[i] for i in mine]
-        g = r.num_generations
-        row_ids = torch.tensor([i * g + j for i in mine for j in range(g)])
-    with timer("rollout"):
-        rollout = sample_completions(config, trainer, examples, row_ids)
-    with timer("reward"):
-        scores = score_rollout(
-            trainer.rewards,
-            trainer.tokenizer,
-            examples,
-            rollout,
-            r.num_generations,
-            max_completion_length=r.max_new_tokens,
+    sampled = roll_out_and_reward(config, trainer, examples, timer)
+    sampling_stats = {}
+    if config.algo.dynamic_sampling and more_examples is not None:
+        sampled, sampling_stats = fill_informative(
+            sampled,
+            lambda: roll_out_and_reward(config, trainer, more_examples(), timer),
+            want=len(sampled.examples),
+            max_rounds=config.algo.dynamic_sampling_max_rounds,
         )
+        if sampling_stats["dynamic_sampling/short"]:
+            log.warning(
+                "dynamic sampling: %d of %d groups have equal rewards after %d rollouts "
+                "(algo.dynamic_sampling_max_rounds); they fill the batch",
+                sampling_stats["dynamic_sampling/short"],
+                len(sampled.examples),
+                sampling_stats["dynamic_sampling/rounds"],
+            )
+    examples, rollout, scores = sampled.examples, sampled.rollout, sampled.scores
+    with timer("reward"):
         reward = to_device(torch.tensor(scores.result.total, dtype=torch.float32), model.device)
         batch_std = world.batch_std(reward) if world is not None else None  # all ranks' rows
         advantages = group_advantages(
@@ -431,6 +436,7 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
         timer=timer,
     )
     record = step_record(rollout, reward, scores, update, r.num_generations)
+    record.update(sampling_stats)
     record["lr"] = trainer.scheduler.get_last_lr()[0]
     record.update(timer.times)
     step_time = time.perf_counter() - step_start
@@ -441,6 +447,30 @@ def grpo_step(config: Config, trainer: Trainer, examples: list) -> dict:
         record["reward/std"] = batch_std.item()
         record = gather_record(record, world)
     return record
+
+
+def roll_out_and_reward(config: Config, trainer: Trainer, examples: list, timer) -> Sampled:
+    """The rollout and reward phases of a batch of prompts (in a data-parallel job, the global
+    batch: this rank's share of it)."""
+    r, world = config.rollout, trainer.world
+    row_ids = None
+    if world is not None:
+        mine = world.share(range(len(examples)))
+        examples = [examples[i] for i in mine]
+        g = r.num_generations
+        row_ids = torch.tensor([i * g + j for i in mine for j in range(g)])
+    with timer("rollout"):
+        rollout = sample_completions(config, trainer, examples, row_ids)
+    with timer("reward"):
+        scores = score_rollout(
+            trainer.rewards,
+            trainer.tokenizer,
+            examples,
+            rollout,
+            r.num_generations,
+            max_completion_length=r.max_new_tokens,
+        )
+    return Sampled(examples, rollout, scores, r.num_generations)
 
 
 def sample_completions(config: Config, trainer: Trainer, examples: list, row_ids=None):

@@ -32,6 +32,11 @@ def join_world(config: Config):
 def check_data_parallel(config: Config, ranks: int) -> None:
     """What a data-parallel job of `ranks` processes needs of the config (every rank checks, so
     a bad setting ends every rank with the same one-line error)."""
+    if config.algo.dynamic_sampling:
+        raise ConfigError(
+            "algo.dynamic_sampling runs in one process for now (the ranks would keep different "
+            "groups); turn it off for a data-parallel job"
+        )
     prompts, minis = config.rollout.prompts_per_step, config.train.mini_batches
     if prompts % (ranks * minis):
         raise ConfigError(
