@@ -82,7 +82,8 @@ class AlgoConfig:
     mask_truncated_completions: bool = False  # cut-off completions get no gradient
     dynamic_sampling: bool = False  # DAPO: drop equal-reward groups, roll out more prompts
     dynamic_sampling_max_rounds: int = 3  # rollouts a step may make to fill its batch
-    importance_sampling_correction: bool = False  # truncated IS for rollout/trainer mismatch
+    importance_sampling_correction: bool = False  # weight tokens by trainer/sampler log-prob ratio
+    importance_sampling_mode: str = "token_truncate"  # token|sequence _truncate|_mask (TRL's)
     importance_sampling_cap: float = 2.0  # cap of that importance weight
 
 
@@ -354,6 +355,12 @@ _CHOICES = {
     "algo.loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.importance_sampling_level": ("token", "sequence"),
+    "algo.importance_sampling_mode": (
+        "token_truncate",
+        "token_mask",
+        "sequence_truncate",
+        "sequence_mask",
+    ),
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.baseline": ("mean", "leave_one_out"),
     "train.lr_scheduler": ("constant", "linear", "cosine"),

@@ -15,7 +15,8 @@ from __future__ import annotations
 SUMMED_PREFIXES = ("reward_failures/", "skipped_steps")
 ERROR_PREFIX = "reward_errors/"
 SUMMED = {"tokens_per_s"}
-LOWEST_SUFFIX, HIGHEST_SUFFIX = "/min_length", "/max_length"
+LOWEST_SUFFIX = ("/min_length", "/importance_sampling_ratio/min")
+HIGHEST_SUFFIX = ("/max_length", "/importance_sampling_ratio/max", "_difference/max")
 SLOWEST_PREFIXES = ("time/", "peak_memory_gib")
 
 

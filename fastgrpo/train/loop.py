@@ -44,7 +44,7 @@ from fastgrpo.train.resume import (
     record_changes,
     restore_optimizer,
 )
-from fastgrpo.train.scoring import score_old, score_reference
+from fastgrpo.train.scoring import correct_sampling_logp, score_old, score_reference
 from fastgrpo.train.stopping import Interrupted, StopRequest
 from fastgrpo.train.trainer import (
     Trainer,
@@ -422,9 +422,21 @@ def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=No
                     token_budget=t.micro_batch_tokens,
                     fused=trainer.fused,
                 )
+    a = config.algo
+    correcting = a.importance_sampling_correction
     with timer("old_logprobs"):
-        if t.num_iterations > 1 or t.mini_batches > 1:  # else the ratio is 1 by construction
+        # else the ratio is 1 by construction; the IS modes but token_truncate need them first
+        if (
+            t.num_iterations > 1
+            or t.mini_batches > 1
+            or (correcting and a.importance_sampling_mode != "token_truncate")
+        ):
             score_old(model, plan, temperature=r.temperature, fused=trainer.fused)
+        mismatch = {}
+        if correcting:
+            mismatch = correct_sampling_logp(
+                plan, a.importance_sampling_mode, a.importance_sampling_cap
+            )
     update = update_policy(
         model,
         trainer.optimizer,
@@ -437,6 +449,7 @@ def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=No
     )
     record = step_record(rollout, reward, scores, update, r.num_generations)
     record.update(sampling_stats)
+    record.update(mismatch)
     record["lr"] = trainer.scheduler.get_last_lr()[0]
     record.update(timer.times)
     step_time = time.perf_counter() - step_start

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgrpo.algo.rollout_correction import as_sampling_logp, importance_weights, mismatch_metrics
 from fastgrpo.train.batching import MicroBatch, MiniBatch
 from fastgrpo.train.logprobs import completion_logprobs, concat_rollouts
 
@@ -75,3 +76,36 @@ def score_groups(
         for mb, part in zip(group, logp.split([mb.advantages.shape[0] for mb in group])):
             out.append(part[:, : mb.rollout.completion_ids.shape[1]])  # (b, Tc)
     return out
+
+
+@torch.no_grad()
+def correct_sampling_logp(plan: list[MiniBatch], mode: str, cap: float) -> dict[str, float]:
+    """Importance-sampling correction of every micro-batch in `mode` (`algo.importance_sampling_mode`):
+    modes other than token_truncate (which the loss applies itself) turn each micro-batch's
+    sampling log-probs into the ones that give the mode's weights; the step's mismatch metrics,
+    under TRL's names, when the old log-probs were scored (else none)."""
+    parts = []
+    for mini in plan:
+        for mb in mini.micro:
+            rollout = mb.rollout
+            if mb.old_logp is None or rollout.sampling_logp is None:
+                continue
+            mask = rollout.completion_mask
+            parts.append(mismatch_metrics(mb.old_logp, rollout.sampling_logp, mask, mode, cap))
+            parts[-1]["tokens"] = mask.sum()
+            if mode != "token_truncate":
+                weight = importance_weights(mb.old_logp, rollout.sampling_logp, mask, mode, cap)
+                rollout.sampling_logp = as_sampling_logp(mb.old_logp, weight)
+    if not parts:
+        return {}
+    tokens = torch.stack([p["tokens"] for p in parts]).float()
+    share = tokens / tokens.sum().clamp(min=1.0)
+    mean = lambda key: float((torch.stack([p[key] for p in parts]) * share).sum())  # noqa: E731
+    return {
+        "sampling/sampling_logp_difference/mean": mean("gap_mean"),
+        "sampling/sampling_logp_difference/max": float(max(p["gap_max"] for p in parts)),
+        "sampling/importance_sampling_ratio/mean": mean("is_mean"),
+        "sampling/importance_sampling_ratio/min": float(min(p["is_min"] for p in parts)),
+        "sampling/importance_sampling_ratio/max": float(max(p["is_max"] for p in parts)),
+        "sampling/corrected_frac": mean("corrected"),
+    }

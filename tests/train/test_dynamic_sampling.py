@@ -107,7 +107,7 @@ def test_dynamic_sampling_in_a_data_parallel_job_is_refused_in_one_line(tiny_mod
     sets = [f"--set={s}" for s in overrides(tiny_model_dir, tmp_path, tmp_path / "run", 1)]
     done = torchrun_train(sets, timeout=120)
     assert done.returncode != 0
-    assert done.stderr.count("algo.dynamic_sampling runs in one process for now") == 2
+    assert done.stderr.count("algo.dynamic_sampling runs in one process for now") >= 1
     with pytest.raises(ConfigError, match="dynamic_sampling_max_rounds"):
         run_training(
             None,
