@@ -381,10 +381,12 @@ def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=No
             want=len(sampled.examples),
             max_rounds=config.algo.dynamic_sampling_max_rounds,
         )
-        if sampling_stats["dynamic_sampling/short"]:
+        if sampling_stats["dynamic_sampling/short"] and not trainer.warned_short_batch:
+            trainer.warned_short_batch = True
             log.warning(
                 "dynamic sampling: %d of %d groups have equal rewards after %d rollouts "
-                "(algo.dynamic_sampling_max_rounds); they fill the batch",
+                "(algo.dynamic_sampling_max_rounds); they fill the batch (said once: "
+                "dynamic_sampling/short in metrics.jsonl counts them every step)",
                 sampling_stats["dynamic_sampling/short"],
                 len(sampled.examples),
                 sampling_stats["dynamic_sampling/rounds"],

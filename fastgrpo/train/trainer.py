@@ -58,6 +58,7 @@ class Trainer:
     # LoRA runs: the adapters' settings, and the merged weights the engine samples from
     lora: LoraSettings | None = None
     merged: MergedWeights | None = None
+    warned_short_batch: bool = False  # dynamic sampling said once that it ran out of rounds
 
     @property
     def rollout_model(self):
