@@ -23,6 +23,7 @@ commands:
   eval     accuracy and mean reward of a model or checkpoint on a task split
   config   print the resolved configuration, or every valid key (--keys)
   export   write a run's model as one Hugging Face folder (LoRA adapters merged)
+  push     upload a run's final model and a model card to the Hugging Face Hub
   plot     draw a run's metrics as PNGs
 
 examples:
@@ -150,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs matplotlib). A run writes them at its end too (run.plots).",
     )
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
+    push = commands.add_parser(
+        "push",
+        help="upload a run's final model and a model card to the Hugging Face Hub",
+        description="Upload the newest checkpoint's model (or LoRA adapter), the run's "
+        "metrics.jsonl and a model card written from the run to ORG/NAME on the Hub (made if "
+        "missing). Needs network and a token (huggingface-cli login or HF_TOKEN); without them "
+        "it says so and changes nothing.",
+    )
+    push.add_argument("run_dir", metavar="RUN_DIR", help="a run folder")
+    push.add_argument("repo_id", metavar="ORG/NAME", help="the Hub repository")
+    push.add_argument("--private", action="store_true", help="make a new repository private")
     export = commands.add_parser(
         "export",
         help="write a run's model as one Hugging Face folder (LoRA adapters merged)",
@@ -204,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": run_config,
             "plot": run_plot,
             "export": run_export,
+            "push": run_push,
         }
         return commands[args.command](args)
     except (UserError, RunStopped) as error:
@@ -222,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + number
+
+
+def run_push(args) -> int:
+    from fastgrpo.train.hub import push
+
+    print(f"uploaded {push(args.run_dir, args.repo_id, private=args.private)}")
+    return 0
 
 
 def run_export(args) -> int:

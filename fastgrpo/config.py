@@ -161,6 +161,7 @@ class RunConfig:
     progress: bool = True  # show a progress bar
     profile_steps: int = 0  # N: trace N steps (after the first) into <output_dir>/profile/
     plots: bool = True  # write <output_dir>/plots/*.png at the end (needs matplotlib)
+    push_to_hub: str | None = None  # ORG/NAME: upload the final model and a model card at the end
 
 
 def _default_rewards() -> list[Any]:

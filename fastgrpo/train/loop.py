@@ -334,6 +334,8 @@ def _train(
             raise
     if main and config.run.plots:
         _write_plots(run_dir, metrics)
+    if main and config.run.push_to_hub and not stop.requested and step == config.train.steps:
+        _push(run_dir, config.run.push_to_hub, metrics)
     metrics.close()
     release_engine(trainer.rollout_model)  # its KV cache and graphs go now, not at the next GC
     return result
@@ -348,6 +350,15 @@ def _write_plots(run_dir: Path, metrics) -> None:
         metrics.write(f"plots: skipped ({error})")
         return
     metrics.write(f"plots: wrote {', '.join(str(p) for p in written)}")
+
+
+def _push(run_dir: Path, repo_id: str, metrics) -> None:
+    from fastgrpo.train.hub import HubError, push
+
+    try:
+        metrics.write(f"hub: uploaded {push(run_dir, repo_id)}")
+    except HubError as error:  # the run is done and saved: say so, do not fail it
+        metrics.write(f"hub: {error}")
 
 
 def _report_trace(result: TrainResult, metrics: MetricsLog, path: Path | None) -> None:
