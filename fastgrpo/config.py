@@ -162,6 +162,7 @@ class RunConfig:
     profile_steps: int = 0  # N: trace N steps (after the first) into <output_dir>/profile/
     plots: bool = True  # write <output_dir>/plots/*.png at the end (needs matplotlib)
     push_to_hub: str | None = None  # ORG/NAME: upload the final model and a model card at the end
+    report_to: list[str] = field(default_factory=list)  # also log to: tensorboard, wandb
 
 
 def _default_rewards() -> list[Any]:
@@ -371,6 +372,8 @@ _CHOICES = {
     "train.parallel": ("auto", "replicated", "sharded", "fsdp"),
 }
 
+REPORTERS = ("tensorboard", "wandb")  # run.report_to
+
 # The allowed range of every numeric key: "[" or "]" includes a bound, "(" or ")" excludes it.
 # A value outside trains nothing useful (lr 10 destroys the model in a step) or crashes later.
 RANGES = {
@@ -484,6 +487,12 @@ def validate(config: Config) -> None:
     ):
         raise ConfigError(
             f"'model.device' is {config.model.device!r}; use auto, cpu, cuda or cuda:N."
+        )
+    unknown = [name for name in config.run.report_to if name not in REPORTERS]
+    if unknown:
+        raise ConfigError(
+            f"'run.report_to' names {unknown[0]!r}; choose from {', '.join(REPORTERS)} "
+            "(or [] for metrics.jsonl alone)"
         )
     if not config.rewards:
         raise ConfigError(

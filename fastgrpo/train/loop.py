@@ -39,6 +39,7 @@ from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.metrics import MetricsLog, SilentMetrics, peak_memory_gib, read_records
 from fastgrpo.train.parallel import gather_record, join_world, local_main_first
 from fastgrpo.train.profiling import PhaseTimer, StepProfiler, profiled_steps
+from fastgrpo.train.reporting import make_reporters
 from fastgrpo.train.resume import (
     changed_settings,
     record_changes,
@@ -218,12 +219,15 @@ def _train(
 
     result = TrainResult(run_dir=run_dir, steps=step)
     if main:
+        # a reporter not installed stops the run here, before the run folder is written
+        reporters = make_reporters(config.run.report_to, run_dir, config.to_dict())
         write_run_config(run_dir, config)  # only now: bad settings above leave no trace behind
         metrics = MetricsLog(
             run_dir,
             total_steps=config.train.steps,
             start_step=step,
             show_progress=config.run.progress,
+            reporters=reporters,
         )
     else:
         metrics = SilentMetrics()

@@ -43,7 +43,16 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, show_progress: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int,
+        show_progress: bool,
+        reporters=(),
+    ):
+        self.reporters = list(reporters)  # TensorBoard, W&B (`reporting.py`): each record too
         self.path = Path(run_dir) / "metrics.jsonl"
         self._keep_until(start_step)
         self.file = open(self.path, "a")
@@ -83,6 +92,8 @@ class MetricsLog:
         clean = {k: _plain(v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
+        for reporter in self.reporters:
+            reporter.log(clean)
         if "step" in record and record.get("kind", "train") == "train":
             self.bar.set_postfix(
                 {short: _fmt(clean[key]) for short, key in BAR_KEYS if key in clean}, refresh=False
@@ -110,6 +121,9 @@ class MetricsLog:
         self._redirect.close()
         self.bar.close()
         self.file.close()
+        for reporter in self.reporters:
+            reporter.close()
+        self.reporters = []
 
 
 class SilentMetrics:
