@@ -26,6 +26,7 @@ from fastgrpo.rewards.concurrent_calls import ConcurrentCalls, RewardTimeout
 from fastgrpo.rewards.format import answer_format
 from fastgrpo.rewards.math import math_accuracy
 from fastgrpo.rewards.overlong import overlong_penalty
+from fastgrpo.rewards.symbolic import math_verify, require_math_verify
 
 RewardFunction = Callable[..., Sequence[Any]]
 
@@ -35,6 +36,7 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "math_accuracy": math_accuracy,
     "answer_format": answer_format,
     "overlong_penalty": overlong_penalty,
+    "math_verify": math_verify,  # needs the math-verify package (the `math` extra)
 }
 
 _USER_SPEC_HINT = "For your own reward use 'module.path:function' or 'path/to/file.py:function'."
@@ -58,6 +60,8 @@ def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
         )
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
+        if spec == "math_verify":
+            require_math_verify()
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
         raise ValueError(_unknown_builtin_message(spec))

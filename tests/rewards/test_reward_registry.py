@@ -46,7 +46,8 @@ def test_builtin_names_resolve_to_their_functions():
     assert resolve_reward("math_accuracy") is math_accuracy
     assert resolve_reward("answer_format") is answer_format
     assert resolve_reward("overlong_penalty") is overlong_penalty
-    assert set(BUILTIN_REWARDS) == {"math_accuracy", "answer_format", "overlong_penalty"}
+    builtins = {"math_accuracy", "answer_format", "overlong_penalty", "math_verify"}
+    assert set(BUILTIN_REWARDS) == builtins
 
 
 def test_unknown_builtin_name_suggests_the_nearest_and_lists_all():
