@@ -24,6 +24,7 @@ commands:
   config   print the resolved configuration, or every valid key (--keys)
   export   write a run's model as one Hugging Face folder (LoRA adapters merged)
   push     upload a run's final model and a model card to the Hugging Face Hub
+  check    roll out a few batches of a config and say whether it can learn
   plot     draw a run's metrics as PNGs
 
 examples:
@@ -151,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs matplotlib). A run writes them at its end too (run.plots).",
     )
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
+    check = commands.add_parser(
+        "check",
+        help="roll out a few batches of a config and say whether it can learn",
+        description="Pre-flight check: load the model, task and rewards of CONFIG as train does, "
+        "roll out --steps batches of training prompts (no update, nothing written) and report "
+        "the share of groups with equal rewards, of completions cut off, reward failures, the "
+        "mean reward and accuracy, and tokens/s; then a verdict with advice. Exit code 0 when "
+        "nothing needs a look, 1 when the advice lists something.",
+    )
+    _add_config_arguments(check)
+    check.add_argument("--steps", type=int, default=2, help="batches to roll out (default 2)")
     push = commands.add_parser(
         "push",
         help="upload a run's final model and a model card to the Hugging Face Hub",
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "plot": run_plot,
             "export": run_export,
             "push": run_push,
+            "check": run_check,
         }
         return commands[args.command](args)
     except (UserError, RunStopped) as error:
@@ -235,6 +248,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + number
+
+
+def run_check(args) -> int:
+    from fastgrpo.config import ConfigError
+    from fastgrpo.models import stop_token_ids
+    from fastgrpo.train.preflight import check_config
+    from fastgrpo.train.trainer import build_rewards, build_task_data, load_configured_model
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: give 1 or more batches to roll out")
+    config = _load(args)
+    task = build_task_data(config)
+    rewards = build_rewards(config)
+    model, tokenizer, _ = load_configured_model(config)
+    stops = stop_token_ids(tokenizer, model)
+    report = check_config(config, model, tokenizer, task, rewards, stops, steps=args.steps)
+    print("\n".join(report.lines()))
+    return 0 if report.ready else 1
 
 
 def run_push(args) -> int:

@@ -1,0 +1,148 @@
+"""`fastgrpo check`: a few real rollouts of a config before a long run, and what they say.
+
+It loads the model, the task and the rewards as `train` would, rolls out `steps` batches of
+training prompts (no update), scores them, and reports what decides whether a GRPO run can learn:
+the share of groups whose rewards are all equal (no gradient), the share of completions cut off
+at `rollout.max_new_tokens`, each reward's failures, the mean reward and accuracy, and the
+rollout's tokens per second; then a verdict with advice for each problem found. Nothing is
+written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fastgrpo.algo import zero_std_fraction
+from fastgrpo.config import Config
+from fastgrpo.data import PromptSampler, render_prompt
+from fastgrpo.rewards.rollout_rewards import score_rollout
+from fastgrpo.rollout import generate_rollout, release_engine
+
+# the advice's thresholds
+EQUAL_REWARDS_WARN = 0.3
+TRUNCATED_WARN = 0.2
+FAILURES_WARN = 0.0
+
+
+@dataclass
+class CheckReport:
+    steps: int
+    completions: int
+    equal_reward_groups: float  # share of groups with all-equal rewards
+    truncated: float  # share of completions cut off at the length limit
+    mean_reward: float
+    accuracy: float
+    tokens_per_s: float
+    mean_length: float
+    failures: dict[str, float] = field(default_factory=dict)  # reward -> share of calls failed
+    errors: dict[str, str] = field(default_factory=dict)
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return not self.advice
+
+    def lines(self) -> list[str]:
+        out = [
+            f"rolled out {self.steps} step(s), {self.completions} completions",
+            f"  groups with equal rewards (no gradient): {self.equal_reward_groups:.0%}",
+            f"  completions cut off at the length limit: {self.truncated:.0%}",
+            f"  mean reward {self.mean_reward:.3f}, accuracy {self.accuracy:.3f}, "
+            f"mean length {self.mean_length:.1f} tokens",
+            f"  rollout: {self.tokens_per_s:,.0f} completion tokens/s",
+        ]
+        out += [
+            f"  reward {n} failed on {share:.0%} of completions"
+            for n, share in self.failures.items()
+        ]
+        if self.ready:
+            out.append("verdict: ready to train")
+        else:
+            out.append(f"verdict: {len(self.advice)} thing(s) to look at before a long run")
+            out += [f"  - {text}" for text in self.advice]
+        return out
+
+
+def advise(report: CheckReport, config: Config) -> list[str]:
+    """Concrete advice for each problem the rollouts show."""
+    out = []
+    if report.equal_reward_groups > EQUAL_REWARDS_WARN:
+        out.append(
+            f"{report.equal_reward_groups:.0%} of groups have equal rewards and teach nothing: "
+            "consider algo.dynamic_sampling=true, more rollout.num_generations "
+            f"(now {config.rollout.num_generations}), or a task split nearer the model's level"
+        )
+    if report.truncated > TRUNCATED_WARN:
+        out.append(
+            f"{report.truncated:.0%} of completions hit rollout.max_new_tokens="
+            f"{config.rollout.max_new_tokens}: raise it, or set "
+            "algo.mask_truncated_completions=true (or add the overlong_penalty reward)"
+        )
+    for name, share in report.failures.items():
+        if share > FAILURES_WARN:
+            error = report.errors.get(name, "")
+            out.append(
+                f"reward {name} failed on {share:.0%} of completions"
+                + (f" (first error: {error})" if error else "")
+                + ": fix it before training; failing calls score 0"
+            )
+    if report.mean_reward == 0 and report.equal_reward_groups == 1:
+        out.append(
+            "every completion scored 0: check the rewards against a few completions "
+            "(`fastgrpo eval --show 5`), or start from an easier task"
+        )
+    return out
+
+
+@torch.no_grad()
+def check_config(config: Config, model, tokenizer, task, rewards, stop_ids, steps: int = 2):
+    """`steps` rollouts of training prompts scored by `rewards`; the report (with advice)."""
+    r = config.rollout
+    sampler = PromptSampler(len(task.train), r.prompts_per_step, seed=config.train.seed)
+    torch.manual_seed(config.train.seed)
+    totals, zero_std, truncated, lengths, correct = [], [], [], [], []
+    failures: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    seconds = 0.0
+    for _ in range(steps):
+        examples = [task.train[i] for i in sampler.next_batch()]
+        texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
+        start = time.perf_counter()
+        rollout = generate_rollout(
+            model, tokenizer, texts, num_generations=r.num_generations,
+            max_new_tokens=r.max_new_tokens, stop_ids=stop_ids, temperature=r.temperature,
+            top_k=r.top_k, top_p=r.top_p,
+        )  # fmt: skip
+        seconds += time.perf_counter() - start
+        scores = score_rollout(
+            rewards, tokenizer, examples, rollout, r.num_generations, r.max_new_tokens
+        )
+        total = torch.tensor(scores.result.total, dtype=torch.float32)
+        totals.append(total)
+        zero_std.append(float(zero_std_fraction(total, r.num_generations)))
+        truncated += (~rollout.finished.cpu()).tolist()
+        lengths += rollout.lengths.cpu().tolist()
+        correct += scores.correct
+        for name, n in scores.result.failures.items():
+            failures[name] = failures.get(name, 0) + n
+        for name, text in scores.result.errors.items():
+            errors.setdefault(name, text)
+    release_engine(model)
+    every = torch.cat(totals)
+    report = CheckReport(
+        steps=steps,
+        completions=every.numel(),
+        equal_reward_groups=sum(zero_std) / len(zero_std),
+        truncated=sum(truncated) / len(truncated),
+        mean_reward=float(every.mean()),
+        accuracy=sum(correct) / len(correct),
+        tokens_per_s=sum(lengths) / max(seconds, 1e-9),
+        mean_length=sum(lengths) / len(lengths),
+        failures={name: n / every.numel() for name, n in failures.items() if n},
+        errors=errors,
+    )
+    report.advice = advise(report, config)
+    return report
