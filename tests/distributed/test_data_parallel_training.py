@@ -367,3 +367,27 @@ def test_a_two_process_lora_run_trains_the_adapters_one_process_trains(
     assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-4
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_two_process_lora_run_resumed_takes_the_step_an_uninterrupted_one_takes(
+    tiny_model_dir, tmp_path
+):
+    """The adapters' sharded optimizer state (auto) and the peft files resume on 2 processes."""
+    extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
+    extra |= {"lora.rank": 4, "lora.alpha": 8, "train.learning_rate": 1e-2}
+    sets = lambda run, steps: [  # noqa: E731
+        f"--set={s}" for s in tiny_overrides(tiny_model_dir, run, steps=steps, **extra)
+    ]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    assert torchrun_train(sets(straight, 2)).returncode == 0
+    assert torchrun_train(sets(halves, 1)).returncode == 0
+    resumed = torchrun_train(["--set=train.steps=2"], "--resume", str(halves), "--trust-run-code")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = (
+        load_file(latest_checkpoint(run) / "model" / "adapter_model.safetensors")
+        for run in (straight, halves)
+    )
+    assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-4
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
