@@ -277,17 +277,14 @@ def run_push(args) -> int:
 
 def run_export(args) -> int:
     from fastgrpo.models import Transformer, load_model, save_native_model
-    from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
 
     source, out = Path(args.source), Path(args.out)
     if not source.is_dir():
         raise UserError(f"{source} is not a folder; give a run, checkpoint or adapter folder")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} is not empty; give a new or empty folder to write the model to")
-    folder = source
-    if (source / STATE_FILE).is_file() or latest_checkpoint(source) is not None:
-        checkpoint = source if (source / STATE_FILE).is_file() else latest_checkpoint(source)
-        folder = checkpoint / "model"
+    checkpoint = _checkpoint_in(source)
+    folder = source if checkpoint is None else checkpoint / "model"
     model, tokenizer, described = load_model(str(folder), dtype=args.dtype, device="cpu")
     if isinstance(model, Transformer):
         save_native_model(model, out)
@@ -296,6 +293,16 @@ def run_export(args) -> int:
     tokenizer.save_pretrained(out)
     print(f"wrote {out} ({described.description}, {args.dtype})")
     return 0
+
+
+def _checkpoint_in(folder: Path) -> Path | None:
+    """The checkpoint a folder names: a run folder's newest, a checkpoint folder itself, or the
+    one whose model/ folder it is; None for any other folder."""
+    from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
+
+    if (folder.parent / STATE_FILE).is_file():  # the model/ folder of a checkpoint
+        folder = folder.parent
+    return folder if (folder / STATE_FILE).is_file() else latest_checkpoint(folder)
 
 
 def run_plot(args) -> int:
@@ -438,18 +445,12 @@ def _check_eval_flags(args) -> None:
 
 def run_eval(args) -> int:
     from fastgrpo.models import stop_token_ids
-    from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint
     from fastgrpo.train.evaluate import evaluate
     from fastgrpo.train.trainer import build_rewards, build_task_data, load_configured_model
 
     _check_eval_flags(args)
     name = args.model
-    checkpoint = None
-    if name and Path(name).is_dir():
-        folder = Path(name)
-        if (folder.parent / STATE_FILE).is_file():  # the model/ folder of a checkpoint
-            folder = folder.parent
-        checkpoint = folder if (folder / STATE_FILE).is_file() else latest_checkpoint(folder)
+    checkpoint = _checkpoint_in(Path(name)) if name and Path(name).is_dir() else None
     if checkpoint is not None:  # a run or checkpoint folder: its weights and its settings
         name = str(checkpoint / "model")
         config = _run_config(checkpoint, args)

@@ -350,6 +350,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 # ----------------------------------------------------------------------------- validation
 
+# TRL's vllm_importance_sampling_mode values (fastgrpo/algo/rollout_correction.py applies them)
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.backend": ("auto", "native", "hf"),
@@ -357,12 +360,7 @@ _CHOICES = {
     "algo.loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.importance_sampling_level": ("token", "sequence"),
-    "algo.importance_sampling_mode": (
-        "token_truncate",
-        "token_mask",
-        "sequence_truncate",
-        "sequence_mask",
-    ),
+    "algo.importance_sampling_mode": IMPORTANCE_SAMPLING_MODES,
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.baseline": ("mean", "leave_one_out"),
     "train.lr_scheduler": ("constant", "linear", "cosine"),

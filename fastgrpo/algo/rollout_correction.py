@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from fastgrpo.config import IMPORTANCE_SAMPLING_MODES as MODES  # one list of the modes
 
 
 @torch.no_grad()
@@ -51,11 +51,17 @@ def as_sampling_logp(old_logp: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 @torch.no_grad()
 def mismatch_metrics(
-    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+    old_logp: torch.Tensor,
+    sampling_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    weight: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs are from the trainer's, and what the correction did:
     |old - sampling| mean and max over the tokens, the weights' mean, min and max, and the share
-    of tokens (token modes) or sequences (sequence modes) capped or masked. 0-d tensors."""
+    of tokens (token modes) or sequences (sequence modes) capped or masked. 0-d tensors.
+    `weight`: `importance_weights` of the same arguments, when the caller has them already."""
     keep = mask.bool()
     gap = (old_logp.float() - sampling_logp.float()).abs()[keep]
     diff = (old_logp.float() - sampling_logp.float()) * mask
@@ -65,7 +71,8 @@ def mismatch_metrics(
         ratio = ratio[rows]
     else:
         ratio = torch.exp(diff)[keep]
-    weight = importance_weights(old_logp, sampling_logp, mask, mode, cap)
+    if weight is None:
+        weight = importance_weights(old_logp, sampling_logp, mask, mode, cap)
     weights = weight[keep] if not mode.startswith("sequence") else weight[rows, 0]
     empty = torch.zeros((), device=old_logp.device)
     if gap.numel() == 0:

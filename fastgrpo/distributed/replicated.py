@@ -25,8 +25,6 @@ class ReplicatedGradients:
     order) over the ranks of `world`. `masters` (`precision.MasterWeights`, or None): with a
     master for every parameter, its gradient buffer is the flat buffer."""
 
-    gradient_scale = 1.0
-
     def __init__(self, params: list, world, masters=None, bucket_elements: int | None = None):
         self.params, self.world = list(params), world
         owned = masters is not None and [id(p) for p in masters.params] == [
@@ -68,7 +66,7 @@ class ReplicatedGradients:
             self._flat = None  # the masters own it; their release_gradients frees it
             return
         views = [v.view_as(p) for v, p in zip(self._buffer().split(self.sizes), self.params)]
-        low = {} if self.other_masters is None else {id(p) for p in self.other_masters.params}
+        low = set() if self.other_masters is None else {id(p) for p in self.other_masters.params}
         if low:
             self.other_masters.load_gradients(
                 [v for v, p in zip(views, self.params) if id(p) in low]

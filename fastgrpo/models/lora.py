@@ -191,9 +191,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> lis
     names = target_names(model, settings.target_modules)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, LoraLinear(getattr(owner, child), settings, generator))
+        _replace(model, name, LoraLinear(model.get_submodule(name), settings, generator))
     originals = {}
     for name in saved_module_names(model, settings.modules_to_save, exclude=names):
         for param in model.get_submodule(name).parameters():
@@ -202,6 +200,12 @@ def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> lis
             param.requires_grad_(True)
     model.__dict__[_ORIGINALS] = list(originals.values())
     return names
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` where the submodule `name` (dotted) is."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 _ORIGINALS = "_fastgrpo_lora_originals"  # (trained parameter, its base value) of modules_to_save
@@ -228,10 +232,6 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return bool(lora_modules(model))
-
-
 @contextmanager
 def adapters_off(model: nn.Module):
     """The base model inside the block (the LoRA reference): every adapter switched off, and the
@@ -255,17 +255,21 @@ def adapters_off(model: nn.Module):
 # ----------------------------------------------------------------------------- files
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors (and those of the modules trained whole) under peft's saved names
-    (contiguous, on the CPU)."""
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors (and those of the modules trained whole) under peft's saved names:
+    the model's own, not copies."""
     out = {}
     for name, m in lora_modules(model).items():
         for part in ("lora_A", "lora_B"):
-            tensor = getattr(m, part).weight.detach()
-            out[f"{PEFT_PREFIX}{name}.{part}.weight"] = tensor.to("cpu", copy=True).contiguous()
+            out[f"{PEFT_PREFIX}{name}.{part}.weight"] = getattr(m, part).weight.detach()
     for name, tensor in _saved_tensors(model).items():
-        out[f"{PEFT_PREFIX}{name}"] = tensor.detach().to("cpu", copy=True).contiguous()
+        out[f"{PEFT_PREFIX}{name}"] = tensor.detach()
     return out
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`adapter_tensors` copied to the CPU, contiguous: what the adapter file holds."""
+    return {k: t.to("cpu", copy=True).contiguous() for k, t in adapter_tensors(model).items()}
 
 
 def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -316,15 +320,13 @@ def load_adapters(model: nn.Module, folder) -> None:
     if not path.is_file():
         raise LoraError(f"{folder} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
     saved = {_strip_adapter_name(k): v for k, v in load_file(str(path)).items()}
-    mine = lora_modules(model)
-    whole = _saved_tensors(model)
-    expected = {f"{PEFT_PREFIX}{n}.{p}.weight" for n in mine for p in ("lora_A", "lora_B")}
+    targets = adapter_tensors(model)
     names_of: dict[int, list[str]] = {}  # a tied tensor may be saved under any of its names
-    for n, param in whole.items():
-        names_of.setdefault(id(param), []).append(f"{PEFT_PREFIX}{n}")
+    for key, tensor in targets.items():
+        names_of.setdefault(tensor.data_ptr(), []).append(key)
+    expected = set()
     for names in names_of.values():
-        present = [n for n in names if n in saved]
-        expected |= set(present or names[:1])
+        expected |= {n for n in names if n in saved} or {names[0]}
     missing, extra = sorted(expected - saved.keys()), sorted(saved.keys() - expected)
     if missing or extra:
         first = (missing or extra)[0]
@@ -333,24 +335,16 @@ def load_adapters(model: nn.Module, folder) -> None:
             f"{len(extra)} unexpected (e.g. {first}); load it onto the base model it was "
             "trained on"
         )
-    for name, m in mine.items():
-        for part in ("lora_A", "lora_B"):
-            target = getattr(m, part).weight
-            tensor = saved[f"{PEFT_PREFIX}{name}.{part}.weight"]
-            if tensor.shape != target.shape:
-                raise LoraError(
-                    f"{path}: {name}.{part} is {tuple(tensor.shape)}, the model's adapter "
-                    f"{tuple(target.shape)}; the rank or the base model differs"
-                )
-            target.copy_(tensor)
-    for name, param in whole.items():
-        tensor = saved.get(f"{PEFT_PREFIX}{name}")
-        if tensor is not None:
-            if tensor.shape != param.shape:
-                raise LoraError(
-                    f"{path}: {name} is {tuple(tensor.shape)}, the model's {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
+    for key, target in targets.items():
+        tensor = saved.get(key)  # a tied tensor is read under the one name it was saved with
+        if tensor is None:
+            continue
+        if tensor.shape != target.shape:
+            raise LoraError(
+                f"{path}: {key.removeprefix(PEFT_PREFIX)} is {tuple(tensor.shape)}, the "
+                f"model's {tuple(target.shape)}; the rank or the base model differs"
+            )
+        target.copy_(tensor)
 
 
 def _strip_adapter_name(key: str) -> str:
@@ -368,13 +362,11 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     """`model` with every LoraLinear replaced by a plain linear holding its merged weight (in
     place; for export and evaluation)."""
     for name, m in list(lora_modules(model).items()):
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
         plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         plain.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
         if m.bias is not None:
             plain.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
-        setattr(owner, child, plain)
+        _replace(model, name, plain)
     model.__dict__.pop(_ORIGINALS, None)  # the base values of modules_to_save: no use now
     return model
 
@@ -384,7 +376,6 @@ class MergedWeights:
     `model` but the adapted linears' weights, which hold W + scaling * B A (`refresh`)."""
 
     def __init__(self, model: nn.Module):
-        self.source = model
         adapted = lora_modules(model)
         adapted_weights = {id(m.weight) for m in adapted.values()}
         memo = {
@@ -397,14 +388,14 @@ class MergedWeights:
         try:
             self.model = copy.deepcopy(model, memo)
         finally:
-            _put_packs(model, packs)
+            _put_packs(packs)
             if originals is not None:
                 model.__dict__[_ORIGINALS] = originals
         # its own merged tensors in place of the shared bases; the shared tensors keep their
         # requires_grad (the trained modules_to_save are the trainer's own)
         merge_adapters(self.model)
         self.pairs = [(self.model.get_submodule(n), m) for n, m in adapted.items()]
-        if any(p is not None for p in packs):
+        if packs:
             self.model.pack_projections()
         self.version = None
 
@@ -424,19 +415,18 @@ class MergedWeights:
 
 
 def _take_packs(model) -> list:
-    """Detach a native model's packed projections (`PackedLinears`); what `_put_packs` restores."""
-    layers = getattr(getattr(model, "model", None), "layers", [])
-    packs = []
-    for layer in layers:
+    """Detach a native model's packed projections (`PackedLinears`): (layer, qkv, gate_up) of
+    each packed layer, what `_put_packs` restores."""
+    taken = []
+    for layer in getattr(getattr(model, "model", None), "layers", []):
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        packs.append((getattr(attention, "qkv", None), getattr(mlp, "gate_up", None)))
-        if packs[-1] != (None, None):
-            attention.qkv = mlp.gate_up = None
-    return [p for pair in packs for p in pair]
-
-
-def _put_packs(model, packs: list) -> None:
-    layers = getattr(getattr(model, "model", None), "layers", [])
-    for layer, qkv, gate_up in zip(layers, packs[0::2], packs[1::2]):
+        qkv, gate_up = getattr(attention, "qkv", None), getattr(mlp, "gate_up", None)
         if qkv is not None or gate_up is not None:
-            layer.self_attn.qkv, layer.mlp.gate_up = qkv, gate_up
+            taken.append((layer, qkv, gate_up))
+            attention.qkv = mlp.gate_up = None
+    return taken
+
+
+def _put_packs(taken: list) -> None:
+    for layer, qkv, gate_up in taken:
+        layer.self_attn.qkv, layer.mlp.gate_up = qkv, gate_up

@@ -34,7 +34,7 @@ import yaml
 from fastgrpo.config import ConfigError
 from fastgrpo.errors import RunStopped
 from fastgrpo.models import Transformer, save_native_model
-from fastgrpo.models.lora import adapter_state_dict, save_adapters
+from fastgrpo.models.lora import adapter_tensors, save_adapters
 
 STATE_FILE = "trainer_state.pt"
 STATE_FORMAT = 2  # 2: loads with weights_only=True; files without the key need full unpickling
@@ -147,7 +147,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     state = {**trainer_state, "format": STATE_FORMAT, "step": step, "rng": rng_state()}
-    weights = adapter_state_dict(model) if adapters is not None else model.state_dict()
+    weights = adapter_tensors(model) if adapters is not None else model.state_dict()
     need = _tensor_bytes(weights) + _tensor_bytes(state) + _SLACK_BYTES
     free = shutil.disk_usage(root).free
     if need > free:

@@ -55,7 +55,6 @@ from fastgrpo.train.trainer import (
     build_trainer,
     check_enough_prompts,
     check_fused_lm_head,
-    check_lora,
     load_configured_model,
     lora_settings,
 )
@@ -193,7 +192,6 @@ def _train(
         model, tokenizer, _ = load_configured_model(config, model_name)
     check_fused_lm_head(config, model)  # fail here, before loading the reference or any rollout
     if lora is not None:  # the base frozen, the adapters new or read from where the run left off
-        check_lora(config, model)
         saved = checkpoint / "model" if checkpoint else config.lora.adapter
         attach_adapters(model, lora, saved, seed=config.train.seed)
     ref_model = None
@@ -490,7 +488,9 @@ def roll_out_and_reward(config: Config, trainer: Trainer, examples: list, timer)
         g = r.num_generations
         row_ids = torch.tensor([i * g + j for i in mine for j in range(g)])
     with timer("rollout"):
-        rollout = sample_completions(config, trainer, examples, row_ids)
+        rollout = sample_completions(
+            config, trainer.rollout_model, trainer.tokenizer, trainer.stop_ids, examples, row_ids
+        )
     with timer("reward"):
         scores = score_rollout(
             trainer.rewards,
@@ -503,20 +503,20 @@ def roll_out_and_reward(config: Config, trainer: Trainer, examples: list, timer)
     return Sampled(examples, rollout, scores, r.num_generations)
 
 
-def sample_completions(config: Config, trainer: Trainer, examples: list, row_ids=None):
-    """The rollout phase: `rollout.num_generations` completions of each example's prompt
-    (`row_ids`: the rows' numbers in a data-parallel job's global batch)."""
+def sample_completions(
+    config: Config, model, tokenizer, stop_ids: list[int], examples: list, row_ids=None
+):
+    """The rollout phase: `rollout.num_generations` completions of each example's prompt by
+    `model` (`row_ids`: the rows' numbers in a data-parallel job's global batch)."""
     r = config.rollout
-    texts = [
-        render_prompt(trainer.tokenizer, ex.prompt, config.task.system_prompt) for ex in examples
-    ]
+    texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
     return generate_rollout(
-        trainer.rollout_model,
-        trainer.tokenizer,
+        model,
+        tokenizer,
         texts,
         num_generations=r.num_generations,
         max_new_tokens=r.max_new_tokens,
-        stop_ids=trainer.stop_ids,
+        stop_ids=stop_ids,
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,

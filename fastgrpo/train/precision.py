@@ -70,11 +70,6 @@ class MasterWeights:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def gradient_buffer(self) -> torch.Tensor:
-        """The masters' fp32 gradients as one flat tensor (allocated between `load_gradients`
-        and `release_gradients`): what a data-parallel job sums over its ranks in one call."""
-        return self._grad_flat
-
     def open_gradients(self) -> torch.Tensor:
         """Allocate the fp32 gradient buffer and return it, for a caller that fills it (a
         replicated job's all-reduce, `distributed/replicated.py`) instead of `load_gradients`."""

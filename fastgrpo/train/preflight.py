@@ -17,9 +17,10 @@ import torch
 
 from fastgrpo.algo import zero_std_fraction
 from fastgrpo.config import Config
-from fastgrpo.data import PromptSampler, render_prompt
+from fastgrpo.data import PromptSampler
 from fastgrpo.rewards.rollout_rewards import score_rollout
-from fastgrpo.rollout import generate_rollout, release_engine
+from fastgrpo.rollout import release_engine
+from fastgrpo.train.loop import sample_completions
 
 # the advice's thresholds
 EQUAL_REWARDS_WARN = 0.3
@@ -109,13 +110,8 @@ def check_config(config: Config, model, tokenizer, task, rewards, stop_ids, step
     seconds = 0.0
     for _ in range(steps):
         examples = [task.train[i] for i in sampler.next_batch()]
-        texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
         start = time.perf_counter()
-        rollout = generate_rollout(
-            model, tokenizer, texts, num_generations=r.num_generations,
-            max_new_tokens=r.max_new_tokens, stop_ids=stop_ids, temperature=r.temperature,
-            top_k=r.top_k, top_p=r.top_p,
-        )  # fmt: skip
+        rollout = sample_completions(config, model, tokenizer, stop_ids, examples)
         seconds += time.perf_counter() - start
         scores = score_rollout(
             rewards, tokenizer, examples, rollout, r.num_generations, r.max_new_tokens

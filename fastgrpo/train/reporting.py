@@ -80,6 +80,7 @@ class WandbReporter:
 
 def make_reporters(names: list[str], run_dir: Path, config: dict) -> list:
     """The reporters `run.report_to` names (validated with the config), ready to log."""
-    made = {"tensorboard": lambda: TensorBoardReporter(run_dir)}
-    made["wandb"] = lambda: WandbReporter(run_dir, config)
-    return [made[name]() for name in dict.fromkeys(names)]
+    return [
+        TensorBoardReporter(run_dir) if name == "tensorboard" else WandbReporter(run_dir, config)
+        for name in dict.fromkeys(names)
+    ]

@@ -91,10 +91,12 @@ def correct_sampling_logp(plan: list[MiniBatch], mode: str, cap: float) -> dict[
             if mb.old_logp is None or rollout.sampling_logp is None:
                 continue
             mask = rollout.completion_mask
-            parts.append(mismatch_metrics(mb.old_logp, rollout.sampling_logp, mask, mode, cap))
+            weight = importance_weights(mb.old_logp, rollout.sampling_logp, mask, mode, cap)
+            parts.append(
+                mismatch_metrics(mb.old_logp, rollout.sampling_logp, mask, mode, cap, weight)
+            )
             parts[-1]["tokens"] = mask.sum()
             if mode != "token_truncate":
-                weight = importance_weights(mb.old_logp, rollout.sampling_logp, mask, mode, cap)
                 rollout.sampling_logp = as_sampling_logp(mb.old_logp, weight)
     if not parts:
         return {}

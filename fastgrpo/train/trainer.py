@@ -187,8 +187,8 @@ def attach_adapters(model, settings: LoraSettings, folder=None, *, seed: int = 0
         raise ConfigError(f"lora: {error}") from None
 
 
-def check_lora(config: Config, model) -> None:
-    """A ConfigError now for a LoRA run this model or layout cannot do."""
+def check_lora(config: Config) -> None:
+    """A ConfigError now for a LoRA run this layout cannot do."""
     if config.train.parallel == "fsdp":
         raise ConfigError(
             "lora with train.parallel=fsdp: the base is frozen and the adapters are small, so "
@@ -230,7 +230,7 @@ def build_trainer(
             + ("a frozen reference model" if ref_model is None else "no reference model (None)")
         )
     if lora is not None:
-        check_lora(config, model)
+        check_lora(config)
     native = isinstance(model, Transformer)
     if config.model.gradient_checkpointing and native:
         model.activation_checkpointing = True
