@@ -274,7 +274,7 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
         learning_rate=TrainConfig.learning_rate,
         lr_scheduler_type="constant",
         adam_beta2=TrainConfig.adam_beta2,
-        gradient_checkpointing=False,
+        gradient_checkpointing=args.gradient_checkpointing,
         bf16=dtype == torch.bfloat16,
         use_cpu=device.type == "cpu",
         cache_implementation=args.trl_cache,
@@ -285,6 +285,14 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
         disable_tqdm=True,
         seed=0,
     )
+    peft_config = None
+    if args.lora:  # peft's adapters on every linear layer; TRL's reference is the base then
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+            target_modules="all-linear", task_type="CAUSAL_LM",
+        )  # fmt: skip
     clock = StepClock()
     trainer = GRPOTrainer(
         model=str(folder / "model"),
@@ -294,15 +302,18 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
         train_dataset=Dataset.from_dict({"prompt": prompts * (args.warmup + args.steps)}),
         processing_class=tokenizer,
         callbacks=[clock],
+        peft_config=peft_config,
     )
     trainer.remove_callback(PrinterCallback)  # its per-step log lines would bury the table
-    assert not trainer.args.gradient_checkpointing  # TRL's default is on
+    assert trainer.args.gradient_checkpointing == args.gradient_checkpointing  # TRL's default: on
     trainer.train()
     steps = [(b - a) for a, b in zip(clock.ends, clock.ends[1:])][args.warmup :]
     logs = [entry for entry in trainer.state.log_history if "completions/min_length" in entry]
     logs = logs[args.warmup :]
     row = summary(
-        "TRL GRPOTrainer" + (f", {args.trl_cache} cache" if args.trl_cache else ""),
+        "TRL GRPOTrainer"
+        + (f" + peft LoRA r={args.lora}" if args.lora else "")
+        + (f", {args.trl_cache} cache" if args.trl_cache else ""),
         steps,
         [e["completions/mean_length"] * args.prompts * args.samples for e in logs],
         peak_gib(device, baseline),
@@ -320,7 +331,7 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
 
 def print_table(results, forced: int) -> None:
     print(
-        f"{'method':<28} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9}  "
+        f"{'method':<34} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9}  "
         + " ".join(f"{p:>12}" for p in PHASES)
     )
     for r in results:
@@ -328,7 +339,7 @@ def print_table(results, forced: int) -> None:
         phases = r.get("phases", {})
         cells = " ".join(f"{phases[p]:>12.4f}" if p in phases else f"{'-':>12}" for p in PHASES)
         print(
-            f"{r['method']:<28} {r['seconds_per_step']:>8.3f} "
+            f"{r['method']:<34} {r['seconds_per_step']:>8.3f} "
             f"{r['completion_tokens_per_s']:>9,.0f} {peak:>9}  {cells}"
         )
         if r["completion_length"] != [forced, forced]:
@@ -372,6 +383,11 @@ def main():
     parser.add_argument(
         "--trl-cache", choices=("static",), help="TRL's cache_implementation for generate"
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="model.gradient_checkpointing (and TRL's): recompute each layer in the backward",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.shape = "tiny"
@@ -400,6 +416,7 @@ def main():
         "micro_batch_tokens": args.micro_batch_tokens,
         "master_weights": args.master_weights,
         "lora_rank": args.lora,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "steps": args.steps,
         "warmup": args.warmup,
     }

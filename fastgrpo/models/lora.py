@@ -99,6 +99,59 @@ class LoraSettings:
         )
 
 
+class LowRankInput(torch.autograd.Function):
+    """x (..., in) times A^T (A: (r, in), fp32) in fp32 -> (..., r), saving x in its own dtype:
+    the fp32 copy of x exists only inside the forward and the backward. The same values as
+    `F.linear(x.float(), A)`, without keeping a (tokens, in) fp32 tensor per adapter."""
+
+    @staticmethod
+    def forward(ctx, x, a):
+        ctx.save_for_backward(x, a)
+        return F.linear(x.to(a.dtype), a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a = ctx.saved_tensors
+        grad_x = (grad @ a).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_a = None
+        if ctx.needs_input_grad[1]:
+            grad_a = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(a.dtype)
+        return grad_x, grad_a
+
+
+def _swiglu_in(gate_up: torch.Tensor, inner: int, dtype: torch.dtype):
+    gate, up = gate_up.to(dtype).split(inner, dim=-1)
+    return gate, up, F.silu(gate)
+
+
+class SwigluLowRankInput(torch.autograd.Function):
+    """(silu(gate) * up) A^T in fp32 for gate_up (..., 2 inner): down_proj's adapter input,
+    recomputed in the backward from gate_up instead of kept."""
+
+    @staticmethod
+    def forward(ctx, gate_up, inner, a):
+        ctx.inner = inner
+        ctx.save_for_backward(gate_up, a)
+        gate, up, silu = _swiglu_in(gate_up, inner, a.dtype)
+        return F.linear(silu * up, a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, a = ctx.saved_tensors
+        gate, up, silu = _swiglu_in(gate_up, ctx.inner, a.dtype)
+        grad_a = None
+        if ctx.needs_input_grad[2]:
+            act = (silu * up).reshape(-1, ctx.inner)
+            grad_a = grad.reshape(-1, grad.shape[-1]).t() @ act
+        grad_gate_up = None
+        if ctx.needs_input_grad[0]:
+            grad_act = grad @ a  # (..., inner)
+            sigmoid = torch.sigmoid(gate)
+            grad_gate = grad_act * up * sigmoid * (1 + gate * (1 - sigmoid))
+            grad_gate_up = torch.cat([grad_gate, grad_act * silu], dim=-1).to(gate_up.dtype)
+        return grad_gate_up, None, grad_a
+
+
 class LoraLinear(nn.Linear):
     """An nn.Linear (its weight and bias frozen) with a LoRA adapter: lora_A (r, in) and lora_B
     (out, r), fp32, trained. `enabled` False gives the base linear alone."""
@@ -123,11 +176,25 @@ class LoraLinear(nn.Linear):
         self.enabled = True
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """scaling * B A dropout(x) in fp32, (..., out)."""
-        x = x.to(self.lora_A.weight.dtype)
+        """scaling * B A dropout(x) in fp32, (..., out). Without dropout, autograd keeps x as it
+        is (the layer keeps it anyway) instead of an fp32 copy (`LowRankInput`)."""
+        a = self.lora_A.weight
         if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
-        return self.lora_B(self.lora_A(x)) * self.scaling
+            down = self.lora_A(F.dropout(x.to(a.dtype), self.dropout))
+        else:
+            down = LowRankInput.apply(x, a)
+        return self.lora_B(down) * self.scaling
+
+    def delta_of_swiglu(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+        """`delta(silu(gate) * up)` for down_proj, whose input the fused MLP recomputes: without
+        dropout, autograd keeps only gate_up (which the MLP keeps too), not fp32 copies of gate,
+        up and their product."""
+        if self.dropout and self.training:
+            gate, up = gate_up.split(inner, dim=-1)
+            return self.delta(F.silu(gate.float()) * up.float())
+        return (
+            self.lora_B(SwigluLowRankInput.apply(gate_up, inner, self.lora_A.weight)) * self.scaling
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)

@@ -268,8 +268,7 @@ class DecoderLayer(nn.Module):
         # down_proj's input, silu(gate) * up, is recomputed in the backward
         out = silu_mul_linear_train(gate_up, inner, down.weight, down.bias)
         if isinstance(down, LoraLinear) and down.enabled:  # its adapter reads that input too
-            gate, up = gate_up.split(inner, dim=-1)
-            out = (out.float() + down.delta(F.silu(gate.float()) * up.float())).to(out.dtype)
+            out = (out.float() + down.delta_of_swiglu(gate_up, inner)).to(out.dtype)
         return out, residual
 
     def forward_fused(self, x, residual, cos, sin, attend: Attend):
