@@ -64,6 +64,7 @@ from benchmarks.bench_rollout import (  # noqa: E402
 from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
 from fastgrpo.data import Example  # noqa: E402
 from fastgrpo.train.loop import grpo_step  # noqa: E402
+from fastgrpo.train.memory_estimate import estimate_memory  # noqa: E402
 from fastgrpo.train.trainer import attach_adapters, build_trainer, lora_settings  # noqa: E402
 
 END = "<|endoftext|>"  # EOS and pad; its id, the vocabulary size, is one the model cannot sample
@@ -192,6 +193,10 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
             max(r["completion/max_length"] for r in timed),
         ),
     )
+    if device.type == "cuda":  # fastgrpo check's prediction for this workload, beside the peak
+        total = torch.cuda.get_device_properties(device).total_memory
+        estimate = estimate_memory(config, trainer.model, args.prompt_len, device_bytes=total)
+        row["predicted_peak_gib"] = estimate.peak / 2**30
     row["phases"] = {p: statistics.median(r[f"time/{p}"] for r in timed) for p in PHASES}
     row["zero_std_groups"] = max(r["frac_zero_std_groups"] for r in timed)
     del trainer
@@ -331,16 +336,18 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
 
 def print_table(results, forced: int) -> None:
     print(
-        f"{'method':<34} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9}  "
+        f"{'method':<34} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'predicted':>9}  "
         + " ".join(f"{p:>12}" for p in PHASES)
     )
     for r in results:
         peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
+        predicted = r.get("predicted_peak_gib")
+        predicted = "-" if predicted is None else f"{predicted:.2f}"
         phases = r.get("phases", {})
         cells = " ".join(f"{phases[p]:>12.4f}" if p in phases else f"{'-':>12}" for p in PHASES)
         print(
             f"{r['method']:<34} {r['seconds_per_step']:>8.3f} "
-            f"{r['completion_tokens_per_s']:>9,.0f} {peak:>9}  {cells}"
+            f"{r['completion_tokens_per_s']:>9,.0f} {peak:>9} {predicted:>9}  {cells}"
         )
         if r["completion_length"] != [forced, forced]:
             print(f"  warning: completion lengths {r['completion_length']}, not all {forced}")

@@ -253,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
 def run_check(args) -> int:
     from fastgrpo.config import ConfigError
     from fastgrpo.models import stop_token_ids
-    from fastgrpo.train.preflight import check_config
-    from fastgrpo.train.trainer import build_rewards, build_task_data, load_configured_model
+    from fastgrpo.train.preflight import check_config, memory_lines
+    from fastgrpo.train.trainer import (
+        build_rewards,
+        build_task_data,
+        load_configured_model,
+        lora_settings,
+    )
 
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: give 1 or more batches to roll out")
@@ -263,6 +268,7 @@ def run_check(args) -> int:
     rewards = build_rewards(config)
     model, tokenizer, _ = load_configured_model(config)
     stops = stop_token_ids(tokenizer, model)
+    print("\n".join(memory_lines(config, model, tokenizer, task, lora_settings(config))))
     report = check_config(config, model, tokenizer, task, rewards, stops, steps=args.steps)
     print("\n".join(report.lines()))
     return 0 if report.ready else 1

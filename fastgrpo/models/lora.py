@@ -256,7 +256,8 @@ def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> lis
         raise LoraError(f"lora.rank is {settings.rank}; give a rank >= 1 (0 means no LoRA)")
     model.requires_grad_(False)
     names = target_names(model, settings.target_modules)
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device  # a meta model (shapes only) draws nothing
+    generator = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
     for name in names:
         _replace(model, name, LoraLinear(model.get_submodule(name), settings, generator))
     originals = {}

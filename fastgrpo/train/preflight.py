@@ -4,8 +4,9 @@ It loads the model, the task and the rewards as `train` would, rolls out `steps`
 training prompts (no update), scores them, and reports what decides whether a GRPO run can learn:
 the share of groups whose rewards are all equal (no gradient), the share of completions cut off
 at `rollout.max_new_tokens`, each reward's failures, the mean reward and accuracy, and the
-rollout's tokens per second; then a verdict with advice for each problem found. Nothing is
-written.
+rollout's tokens per second; then a verdict with advice for each problem found. Before the
+rollouts, on a GPU, it predicts the run's peak memory and the longest completion that fits
+(`memory_estimate`). Nothing is written.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 from fastgrpo.algo import zero_std_fraction
 from fastgrpo.config import Config
 from fastgrpo.data import PromptSampler
+from fastgrpo.data.chat import render_prompt
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import release_engine
 from fastgrpo.train.loop import sample_completions
+from fastgrpo.train.memory_estimate import estimate_memory, longest_completion
 
 # the advice's thresholds
 EQUAL_REWARDS_WARN = 0.3
@@ -142,3 +145,42 @@ def check_config(config: Config, model, tokenizer, task, rewards, stop_ids, step
     )
     report.advice = advise(report, config)
     return report
+
+
+PROMPTS_MEASURED = 512  # training prompts whose token counts set the predicted prompt length
+H100_BYTES = 85_029_158_912  # what torch reports for an H100 80GB: the CPU's yardstick
+
+
+def memory_lines(config: Config, model, tokenizer, task, lora=None) -> list[str]:
+    """The predicted peak GPU memory of training this config (the longest of the first training
+    prompts, every completion at the length limit), whether it fits, and the longest completion
+    that would. On a GPU for that GPU; elsewhere for a bf16 run on an 80 GB H100."""
+    from fastgrpo.models import Transformer
+    from fastgrpo.models.lora import add_adapters
+
+    if not isinstance(model, Transformer):
+        return [
+            "memory: predicted for fastgrpo's native models only (this one runs through "
+            "transformers)"
+        ]
+    examples = task.train[:PROMPTS_MEASURED]
+    texts = [render_prompt(tokenizer, ex.prompt, config.task.system_prompt) for ex in examples]
+    prompt_len = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+    on_gpu = model.device.type == "cuda"
+    if on_gpu:
+        total = torch.cuda.get_device_properties(model.device).total_memory
+    else:  # the same shapes in bf16, no storage: only sizes count
+        total = H100_BYTES
+        with torch.device("meta"):
+            model = Transformer(model.config).to(torch.bfloat16)
+        model.pack_projections()
+    if lora is not None:
+        add_adapters(model, lora)  # the trainer adds the same adapters; only their shapes count
+    estimate = estimate_memory(config, model, prompt_len, device_bytes=total)
+    longest = longest_completion(config, model, prompt_len, total)
+    context = model.config.max_position_embeddings - prompt_len
+    gpu = "this GPU's" if on_gpu else "an H100 80GB's"
+    lines = estimate.lines(total, longest, gpu=gpu, context_limit=context)
+    if not on_gpu:
+        lines[0] = lines[0].replace("GPU memory:", "GPU memory of a bf16 run on an H100 80GB:")
+    return lines

@@ -45,6 +45,8 @@ def test_a_healthy_check_is_ready(tiny_model_dir, tmp_path, capsys):
     code = main(["check", *sets, "--steps", "1"])
     out = capsys.readouterr().out
     assert "completion tokens/s" in out and "verdict:" in out
+    assert "predicted peak GPU memory of a bf16 run on an H100 80GB:" in out
+    assert "the longest completion that fits at this batch" in out
     assert code == (0 if "verdict: ready to train" in out else 1)
 
 

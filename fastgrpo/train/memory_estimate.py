@@ -1,0 +1,226 @@
+"""Peak GPU memory of a training run, predicted before it starts (`fastgrpo check`).
+
+The prediction adds up what the trainer allocates, from the model's shape and the config, for
+one process with the native model:
+
+- weights: the policy's parameters, and a reference model's (beta > 0, full fine-tuning; a LoRA
+  run's reference is its own base with the adapters off, which costs nothing). A LoRA run's engine
+  samples from merged copies of the adapted linears' weights (`lora.MergedWeights`).
+- optimizer: per trainable parameter, its gradient in its own dtype (autograd accumulates it over
+  the micro-batches) and AdamW's two moments in fp32; for bf16/fp16 parameters the fp32 masters
+  too (`precision.MasterWeights`), whose fp32 gradient buffer exists only while the optimizer
+  steps, when no activation is alive. With `train.master_weights=off` the moments are in the
+  parameters' dtype.
+- KV cache: the engine keeps its wave's cache between rollouts: every prompt once and every
+  sample's completion slots. When a wave would not fit in 70% of the memory left, the engine
+  splits the rows into waves; the cache is then that share of what is left.
+- activations: the largest micro-batch of the update plan, with every completion at
+  `rollout.max_new_tokens` (the worst case), times what autograd keeps per token and layer on the
+  fused training path (`DecoderLayer.forward_train`): the two add + RMSNorm outputs and residuals,
+  the packed q/k/v output (v is a view of it), RoPE's q and k, the attention output, gate/up's
+  output, and fp32 row statistics; with gradient checkpointing, each layer's two inputs and one
+  layer's activations while it is recomputed. LoRA adds its (tokens, rank) products.
+- LM head: the fused loss's logits chunk (at most 640 MiB), the hidden states' gradient in fp32,
+  and the head's weight gradient when the head trains.
+
+The peak is the backward's (weights + optimizer state + gradients + KV cache + activations + LM
+head) or the optimizer step's (fp32 gradient buffer instead of activations), whichever is larger.
+Checked against measured peaks on the lent GPUs (benchmarks/bench_memory.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastgrpo.config import Config
+from fastgrpo.kernels.train.lm_head_grpo_loss import DEFAULT_CHUNK_BYTES, _chunk_rows
+from fastgrpo.models.lora import lora_modules
+from fastgrpo.rollout.engine import PROMPT_BUCKET
+from fastgrpo.rollout.kv_cache import kv_bytes_per_token
+from fastgrpo.train.batching import plan_micro_batches
+
+ENGINE_SHARE = 0.7  # of the free memory, the engine's budget for a wave (`GenerationEngine`)
+GIB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    parts: dict[str, int]  # bytes of each part at the peak
+    peak: int
+    micro_batch_tokens: int  # the largest micro-batch the estimate assumed
+    waves: int  # the rollout's waves (1: all rows at once)
+
+    def lines(
+        self,
+        device_bytes: int | None = None,
+        longest: int | None = None,
+        gpu: str = "this GPU's",
+        context_limit: int | None = None,
+    ) -> list[str]:
+        parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size)
+        out = [
+            f"predicted peak GPU memory: {self.peak / GIB:.1f} GiB ({parts} GiB; largest "
+            f"micro-batch {self.micro_batch_tokens:,} tokens"
+            + (f"; the rollout runs in {self.waves} waves" if self.waves > 1 else "")
+            + ")"
+        ]
+        if device_bytes is not None:
+            room = device_bytes / GIB
+            verdict = "fits" if self.peak <= device_bytes else "does NOT fit"
+            out.append(f"  {verdict} {gpu} {room:.0f} GiB")
+        if longest is not None:
+            limit = ""
+            if context_limit is not None and longest > context_limit:
+                longest, limit = context_limit, ", the model's context limit"
+            out.append(
+                f"  the longest completion that fits at this batch: ~{longest:,} tokens "
+                f"(rollout.max_new_tokens{limit})"
+            )
+        return out
+
+
+def _itemsize(model: nn.Module) -> int:
+    return next(model.parameters()).element_size()
+
+
+def _weights(model: nn.Module, config: Config) -> dict[str, int]:
+    adapted = lora_modules(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    parts = {"weights": total}
+    if adapted:  # the engine's merged copies of the adapted weights
+        parts["merged weights"] = sum(
+            m.weight.numel() * m.weight.element_size() for m in adapted.values()
+        )
+    elif config.algo.beta:
+        parts["reference"] = total  # a second model of the same shape and dtype
+    masters = config.train.master_weights != "off"
+    grads = state = step_buffer = 0
+    for p in trainable:
+        n, size = p.numel(), p.element_size()
+        grads += n * size
+        if size < 4 and masters:
+            state += n * (4 + 8)  # fp32 master and two fp32 moments
+            step_buffer += n * 4
+        else:
+            state += n * 2 * size
+    parts["gradients"] = grads
+    parts["optimizer"] = state
+    parts["_step_buffer"] = step_buffer
+    return parts
+
+
+def _largest_micro_batch(config: Config, prompt_len: int, max_new: int) -> int:
+    r = config.rollout
+    rows = r.prompts_per_step * r.num_generations // config.train.mini_batches
+    groups = torch.arange(rows) // r.num_generations
+    plan = plan_micro_batches(
+        torch.full((rows,), prompt_len),
+        torch.full((rows,), max_new),
+        config.train.micro_batch_tokens,
+        groups,
+    )
+    return max(
+        sum(max_new for _ in batch) + prompt_len * len({int(groups[i]) for i in batch})
+        for batch in plan
+    )
+
+
+def _per_token_layer(cfg, itemsize: int, lora_products: int) -> int:
+    """Bytes autograd keeps per token in one decoder layer (`forward_train`)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    elements = 4 * h + (q + 2 * kv) + (q + kv) + q + 2 * i
+    if cfg.qk_norm:
+        elements += q + kv
+    return itemsize * elements + 4 * (2 + cfg.num_heads) + lora_products
+
+
+def _lora_products(model: nn.Module) -> int:
+    """Bytes per token and layer of the adapters' fp32 (tokens, rank) products."""
+    adapted = lora_modules(model)
+    layers = max(1, model.config.num_layers)
+    return 4 * sum(m.lora_A.weight.shape[0] for m in adapted.values()) // layers
+
+
+def _kv_cache(config: Config, model, prompt_len: int, max_new: int, free: int | None):
+    """(bytes the engine keeps for its wave, waves)."""
+    cfg, r = model.config, config.rollout
+    per_token = kv_bytes_per_token(cfg, next(model.parameters()).dtype)
+    capacity = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
+    prompts, rows = r.prompts_per_step, r.prompts_per_step * r.num_generations
+    whole = per_token * ((prompts + 1) * capacity + rows * max(max_new - 1, 1))
+    if free is None:
+        return whole, 1
+    row_bytes = per_token * (prompt_len + max_new) + 16 * cfg.vocab_size
+    fit = max(1, int(free * ENGINE_SHARE) // row_bytes)
+    if fit >= rows:
+        return whole, 1
+    if fit >= r.num_generations:
+        wave_prompts = fit // r.num_generations
+        rows_in_wave = wave_prompts * r.num_generations
+        waves = -(-prompts // wave_prompts)
+    else:
+        wave_prompts, rows_in_wave = 1, fit
+        waves = prompts * -(-r.num_generations // fit)
+    return per_token * ((wave_prompts + 1) * capacity + rows_in_wave * max(max_new - 1, 1)), waves
+
+
+def estimate_memory(
+    config: Config,
+    model: nn.Module,
+    prompt_len: int,
+    max_new_tokens: int | None = None,
+    device_bytes: int | None = None,
+) -> MemoryEstimate:
+    """Predicted peak memory of training `model` (the native Transformer, adapters attached for
+    LoRA) with `config`, prompts of `prompt_len` tokens and completions of `max_new_tokens`
+    (default rollout.max_new_tokens); `device_bytes`: the GPU's memory, which sets how the
+    engine splits a rollout too large for it into waves."""
+    cfg = model.config
+    max_new = max_new_tokens or config.rollout.max_new_tokens
+    size = _itemsize(model)
+    parts = _weights(model, config)
+    step_buffer = parts.pop("_step_buffer")
+    persistent = sum(parts.values())
+    free = None if device_bytes is None else max(0, device_bytes - persistent)
+    parts["kv cache"], waves = _kv_cache(config, model, prompt_len, max_new, free)
+    tokens = _largest_micro_batch(config, prompt_len, max_new)
+    per_layer = _per_token_layer(cfg, size, _lora_products(model))
+    if config.model.gradient_checkpointing:
+        kept = tokens * (cfg.num_layers * 2 * cfg.hidden_size * size + per_layer)
+    else:
+        kept = tokens * cfg.num_layers * per_layer
+    kept += tokens * (2 * cfg.hidden_size * size + 8)  # the final norm's, the token ids
+    parts["activations"] = kept
+    head = model.lm_head_weight
+    vocab = head.shape[0]
+    chunk = min(_chunk_rows(head, DEFAULT_CHUNK_BYTES), tokens) * vocab * size
+    d_head = head.numel() * head.element_size() if head.requires_grad else 0
+    parts["lm head"] = chunk + tokens * cfg.hidden_size * 4 + d_head
+    backward = sum(parts.values())
+    optimizer_step = persistent + parts["kv cache"] + step_buffer
+    return MemoryEstimate(parts, max(backward, optimizer_step), tokens, waves)
+
+
+def longest_completion(
+    config: Config, model: nn.Module, prompt_len: int, device_bytes: int, step: int = 64
+) -> int:
+    """The largest rollout.max_new_tokens (a multiple of `step`) whose predicted peak fits
+    `device_bytes`; 0 when none does."""
+
+    def fits(n: int) -> bool:
+        return estimate_memory(config, model, prompt_len, n, device_bytes).peak <= device_bytes
+
+    if not fits(step):
+        return 0
+    low, high = 1, 2
+    while fits(high * step) and high < 2**20:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * step) else (low, mid)
+    return low * step
