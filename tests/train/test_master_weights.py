@@ -250,6 +250,7 @@ def test_a_cuda_training_run_checkpoints_bf16_weights_that_are_its_masters_round
 ):
     from fastgrpo.train import run_training
     from fastgrpo.train.checkpoint import latest_checkpoint, load_trainer_state
+    from tests.train.test_training_run import write_test_rewards
 
     overrides = [
         f"model.name={tiny_model_dir}",
@@ -265,7 +266,9 @@ def test_a_cuda_training_run_checkpoints_bf16_weights_that_are_its_masters_round
         "rollout.temperature=1.0",
         "eval.before=false",
         "eval.after=false",
-        "rewards=[math_accuracy, answer_format]",
+        # a reward that varies within every group: the tiny model's rambling scores 0 on the
+        # math rewards, and all-equal rewards would leave nothing to step
+        f"rewards=['{write_test_rewards(tmp_path)}:digit_share']",
     ]
     run_training(None, overrides=overrides)
     checkpoint = latest_checkpoint(tmp_path / "run")
