@@ -30,6 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastgrpo.models.lora_train import (
+    LowRankInput,
+    SwigluLowRankInput,
+    lora_linear,
+    takes,
+)
+from fastgrpo.models.packed import packed_linear
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -99,59 +107,6 @@ class LoraSettings:
         )
 
 
-class LowRankInput(torch.autograd.Function):
-    """x (..., in) times A^T (A: (r, in), fp32) in fp32 -> (..., r), saving x in its own dtype:
-    the fp32 copy of x exists only inside the forward and the backward. The same values as
-    `F.linear(x.float(), A)`, without keeping a (tokens, in) fp32 tensor per adapter."""
-
-    @staticmethod
-    def forward(ctx, x, a):
-        ctx.save_for_backward(x, a)
-        return F.linear(x.to(a.dtype), a)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, a = ctx.saved_tensors
-        grad_x = (grad @ a).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_a = None
-        if ctx.needs_input_grad[1]:
-            grad_a = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(a.dtype)
-        return grad_x, grad_a
-
-
-def _swiglu_in(gate_up: torch.Tensor, inner: int, dtype: torch.dtype):
-    gate, up = gate_up.to(dtype).split(inner, dim=-1)
-    return gate, up, F.silu(gate)
-
-
-class SwigluLowRankInput(torch.autograd.Function):
-    """(silu(gate) * up) A^T in fp32 for gate_up (..., 2 inner): down_proj's adapter input,
-    recomputed in the backward from gate_up instead of kept."""
-
-    @staticmethod
-    def forward(ctx, gate_up, inner, a):
-        ctx.inner = inner
-        ctx.save_for_backward(gate_up, a)
-        gate, up, silu = _swiglu_in(gate_up, inner, a.dtype)
-        return F.linear(silu * up, a)
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate_up, a = ctx.saved_tensors
-        gate, up, silu = _swiglu_in(gate_up, ctx.inner, a.dtype)
-        grad_a = None
-        if ctx.needs_input_grad[2]:
-            act = (silu * up).reshape(-1, ctx.inner)
-            grad_a = grad.reshape(-1, grad.shape[-1]).t() @ act
-        grad_gate_up = None
-        if ctx.needs_input_grad[0]:
-            grad_act = grad @ a  # (..., inner)
-            sigmoid = torch.sigmoid(gate)
-            grad_gate = grad_act * up * sigmoid * (1 + gate * (1 - sigmoid))
-            grad_gate_up = torch.cat([grad_gate, grad_act * silu], dim=-1).to(gate_up.dtype)
-        return grad_gate_up, None, grad_a
-
-
 class LoraLinear(nn.Linear):
     """An nn.Linear (its weight and bias frozen) with a LoRA adapter: lora_A (r, in) and lora_B
     (out, r), fp32, trained. `enabled` False gives the base linear alone."""
@@ -197,6 +152,8 @@ class LoraLinear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if takes([self]):  # the adapter inside the GEMM's Function (`lora_train`)
+            return lora_linear(x, [self])
         out = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return out
@@ -221,6 +178,14 @@ def lora_delta(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor | None
         for m in linears
     ]
     return torch.cat(parts, dim=-1)
+
+
+def project(x: torch.Tensor, linears: list[nn.Linear], packed) -> torch.Tensor:
+    """The packed GEMM of `linears` (`packed_linear`) with their adapters' parts: inside the
+    GEMM's Function where `lora_train` serves them, else added in fp32 (`add_lora`)."""
+    if takes(linears):
+        return lora_linear(x, linears, packed)
+    return add_lora(packed_linear(x, linears, packed), x, linears)
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:

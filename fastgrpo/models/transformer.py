@@ -47,7 +47,8 @@ from fastgrpo.kernels.layers.swiglu import silu_mul, silu_mul_linear_train
 from fastgrpo.kernels.layers.token_inputs import embed_and_angles
 from fastgrpo.kernels.support import triton
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
-from fastgrpo.models.lora import LoraLinear, add_lora
+from fastgrpo.models.lora import LoraLinear, project
+from fastgrpo.models.lora_train import lora_silu_mul_linear
 from fastgrpo.models.model_config import (  # noqa: F401 (re-exported: the model's own config)
     SUPPORTED_MODEL_TYPES,
     Llama3RopeScaling,
@@ -55,7 +56,7 @@ from fastgrpo.models.model_config import (  # noqa: F401 (re-exported: the model
     UnsupportedModelError,
     is_supported,
 )
-from fastgrpo.models.packed import PackedLinears, packed_linear
+from fastgrpo.models.packed import PackedLinears
 
 # attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D)) -> (T, Hq, D)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -250,7 +251,7 @@ class DecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = add_rms_norm_train(x, residual, norm1.weight, norm1.eps)  # (T, H) each
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv = add_lora(packed_linear(h, projections, attn.qkv), h, projections)
+        qkv = project(h, projections, attn.qkv)  # with LoRA adapters where there are some
         T, D = qkv.shape[0], attn.head_dim
         q, k, v = qkv.split([attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], -1)
         q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)  # (T, heads, D)
@@ -263,12 +264,14 @@ class DecoderLayer(nn.Module):
         x = attn.o_proj(out.reshape(T, -1))  # (T, H)
         h, residual = add_rms_norm_train(x, residual, norm2.weight, norm2.eps)
         projections = [mlp.gate_proj, mlp.up_proj]
-        gate_up = add_lora(packed_linear(h, projections, mlp.gate_up), h, projections)  # (T, 2 I)
+        gate_up = project(h, projections, mlp.gate_up)  # (T, 2 I)
         down, inner = mlp.down_proj, mlp.gate_proj.out_features
         # down_proj's input, silu(gate) * up, is recomputed in the backward
-        out = silu_mul_linear_train(gate_up, inner, down.weight, down.bias)
-        if isinstance(down, LoraLinear) and down.enabled:  # its adapter reads that input too
-            out = (out.float() + down.delta_of_swiglu(gate_up, inner)).to(out.dtype)
+        out = lora_silu_mul_linear(gate_up, inner, down)  # None: no adapter this path serves
+        if out is None:
+            out = silu_mul_linear_train(gate_up, inner, down.weight, down.bias)
+            if isinstance(down, LoraLinear) and down.enabled:  # its adapter reads that input too
+                out = (out.float() + down.delta_of_swiglu(gate_up, inner)).to(out.dtype)
         return out, residual
 
     def forward_fused(self, x, residual, cos, sin, attend: Attend):

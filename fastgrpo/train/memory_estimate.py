@@ -19,7 +19,8 @@ one process with the native model:
   fused training path (`DecoderLayer.forward_train`): the two add + RMSNorm outputs and residuals,
   the packed q/k/v output (v is a view of it), RoPE's q and k, the attention output, gate/up's
   output, and fp32 row statistics; with gradient checkpointing, each layer's two inputs and one
-  layer's activations while it is recomputed. LoRA adds its (tokens, rank) products.
+  layer's activations while it is recomputed. LoRA adds only its (tokens, rank) products
+  (`models/lora_train.py`).
 - LM head: the fused loss's logits chunk (at most 640 MiB), the hidden states' gradient in fp32,
   and the head's weight gradient when the head trains.
 
@@ -140,10 +141,12 @@ def _per_token_layer(cfg, itemsize: int, lora_products: int) -> int:
 
 
 def _lora_products(model: nn.Module) -> int:
-    """Bytes per token and layer of the adapters' fp32 (tokens, rank) products."""
+    """Bytes per token and layer of the adapters' (tokens, rank) products, which the in-GEMM
+    adapters (`lora_train`) keep in the activations' dtype."""
     adapted = lora_modules(model)
     layers = max(1, model.config.num_layers)
-    return 4 * sum(m.lora_A.weight.shape[0] for m in adapted.values()) // layers
+    ranks = sum(m.lora_A.weight.shape[0] for m in adapted.values())
+    return _itemsize(model) * ranks // layers
 
 
 def _kv_cache(config: Config, model, prompt_len: int, max_new: int, free: int | None):

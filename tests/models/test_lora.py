@@ -332,7 +332,7 @@ def test_modules_to_save_train_whole_as_in_peft_and_the_reference_keeps_their_ba
 
 
 def test_the_low_rank_inputs_give_autograds_gradients_in_float64():
-    from fastgrpo.models.lora import LowRankInput, SwigluLowRankInput
+    from fastgrpo.models.lora_train import LowRankInput, SwigluLowRankInput
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(7, 13, dtype=torch.float64, generator=g, requires_grad=True)
@@ -365,3 +365,53 @@ def test_a_bf16_layers_adapters_keep_no_fp32_copy_of_their_inputs():
     assert big_fp32 == [], [tuple(t.shape) for t in big_fp32]
     out.sum().backward()
     assert x.grad is not None and gate_up.grad is not None and layer.lora_A.weight.grad is not None
+
+
+def test_the_in_gemm_adapters_give_autograds_gradients_in_float64():
+    """LowRankLinear on column blocks of a packed output (one block left without an adapter):
+    values and gradients of x, A and B against the plain expression, by gradcheck in float64."""
+    from fastgrpo.models.lora_train import LowRankLinear
+
+    g = torch.Generator().manual_seed(4)
+    rand = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)  # noqa: E731
+    x = rand(2, 5, 7).requires_grad_()
+    weight, bias = rand(3 + 4 + 2, 7), rand(9)  # frozen
+    a1, b1 = rand(2, 7).requires_grad_(), rand(3, 2).requires_grad_()
+    a3, b3 = rand(3, 7).requires_grad_(), rand(2, 3).requires_grad_()
+    spans, scalings = ((0, 3), (7, 9)), (0.5, 2.0)
+
+    def plain(x, a1, a3, b1, b3):
+        y = torch.nn.functional.linear(x, weight, bias)
+        parts = [y[..., :3] + 0.5 * (x @ a1.t()) @ b1.t(), y[..., 3:7],
+                 y[..., 7:] + 2.0 * (x @ a3.t()) @ b3.t()]  # fmt: skip
+        return torch.cat(parts, -1)
+
+    def fused(x, a1, a3, b1, b3):
+        return LowRankLinear.apply(x, weight, bias, spans, scalings, a1, a3, b1, b3)
+
+    inputs = (x, a1, a3, b1, b3)
+    torch.testing.assert_close(fused(*inputs), plain(*inputs))
+    assert torch.autograd.gradcheck(fused, inputs)
+
+
+def test_the_down_projections_adapter_in_the_fused_mlp_gives_autograds_gradients():
+    """LoraSiluMulLinear (silu(gate) * up recomputed in the backward by the MLP's kernels, here
+    interpreted) against torch's autograd on the plain expression, fp32, a real-ish width."""
+    from fastgrpo.models.lora_train import LoraSiluMulLinear
+
+    g = torch.Generator().manual_seed(8)
+    inner, out_features, rank = 40, 24, 4
+    gate_up = torch.randn(13, 2 * inner, generator=g, requires_grad=True)
+    weight = torch.randn(out_features, inner, generator=g) / 6
+    a = (torch.randn(rank, inner, generator=g) / 6).requires_grad_()
+    b = torch.randn(out_features, rank, generator=g).requires_grad_()
+    mine = LoraSiluMulLinear.apply(gate_up, inner, weight, None, 1.5, a, b)
+    gate, up = gate_up.split(inner, -1)
+    act = torch.nn.functional.silu(gate) * up
+    theirs = act @ weight.t() + 1.5 * (act @ a.t()) @ b.t()
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    w = torch.randn(mine.shape, generator=g)
+    grads = torch.autograd.grad((mine * w).sum(), (gate_up, a, b))
+    expected = torch.autograd.grad((theirs * w).sum(), (gate_up, a, b))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
