@@ -117,7 +117,7 @@ def step_config(args) -> Config:
     config.train.micro_batch_tokens = args.micro_batch_tokens
     config.train.steps = args.warmup + args.steps
     config.model.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
-    config.train.master_weights = args.master_weights
+    config.train.master_weights = getattr(args, "master_weights", "auto")
     config.train.parallel = getattr(args, "parallel", "auto")  # bench_scaling.py's jobs
     config.rewards = [{"function": distinct_reward}]
     validate(config)

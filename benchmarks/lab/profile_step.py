@@ -90,6 +90,9 @@ def main():
         "--cprofile", type=int, default=0, help="also run a step under cProfile; rows to print"
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="LoRA rank R on all linears"
+    )
     args = parser.parse_args()
     profiling.SYNCHRONIZE_PHASES = True  # kernels are attributed to phases by time
     if args.tiny:
@@ -101,7 +104,9 @@ def main():
     vocab = SHAPES[args.shape]["vocab_size"]
     tokenizer = synthetic_tokenizer(vocab)
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
-    config, trainer, examples = fastgrpo_trainer(args, device, dtype, tokenizer, prompts)
+    config, trainer, examples = fastgrpo_trainer(
+        args, device, dtype, tokenizer, prompts, lora_rank=args.lora
+    )
     torch.manual_seed(0)
     for _ in range(args.warmup):
         grpo_step(config, trainer, examples)
@@ -117,7 +122,10 @@ def main():
         path = Path(folder) / "trace.json"
         profiler.export_chrome_trace(str(path))
         result = summarize(json.loads(path.read_text()), args.top)
-    print(f"shape {args.shape}, micro_batch_tokens {args.micro_batch_tokens}, beta {args.beta}")
+    print(
+        f"shape {args.shape}, micro_batch_tokens {args.micro_batch_tokens}, beta {args.beta}, "
+        f"LoRA rank {args.lora or '-'}"
+    )
     print(f"{'phase':<14} {'wall ms':>9} {'GPU busy':>9} {'kernels':>8} {'launch CPU ms':>14}")
     for name, p in result["phases"].items():
         print(
