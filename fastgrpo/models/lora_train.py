@@ -22,6 +22,8 @@ dropout (training), or a base weight that trains, the callers use the plain modu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -49,46 +51,98 @@ def takes(linears) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Factors:
+    """A group's adapters as two matrices in the activations' dtype: a_cat (R, in), the A's
+    stacked, and b_bd (out, R), block-diagonal: adapter i's s_i B_i at its output rows and its
+    rank columns (zeros for a linear without adapter), so one GEMM applies every adapter of a
+    packed group. `blocks`: (first row, end row, first rank column, end rank column, s) each."""
+
+    a_cat: torch.Tensor
+    b_bd: torch.Tensor
+    blocks: tuple
+
+
+CACHE = "_lora_factors"  # attribute of a group's first linear: (key, Factors)
+_STEPS = [0]  # optimizer steps that changed adapters (`adapters_stepped`)
+
+
+def adapters_stepped() -> None:
+    """An optimizer changed adapters in place: every cached `Factors` is made again. Needed
+    because fused AdamW (the trainer's on GPUs) leaves the parameters' version counters as they
+    were; every other in-place change (a load, a copy) moves them."""
+    _STEPS[0] += 1
+
+
+def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
+    """The group's `Factors`, made once per adapter change: cached on its first linear and
+    remade after an optimizer step (`adapters_stepped`) or any other in-place change of an
+    adapter (its version counter), so the casts run once per step instead of in every forward
+    and backward."""
+    adapted = [m for m in linears if _adapted(m)]
+    key = (dtype, device, _STEPS[0]) + tuple(
+        (id(m.lora_A.weight), m.lora_A.weight._version, m.lora_B.weight._version, m.scaling)
+        for m in adapted
+    )
+    cached = linears[0].__dict__.get(CACHE)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rank = sum(m.lora_A.weight.shape[0] for m in adapted)
+    out = sum(m.out_features for m in linears)
+    with torch.no_grad():
+        a_cat = torch.cat([m.lora_A.weight.to(dtype) for m in adapted])
+        b_bd = torch.zeros(out, rank, dtype=dtype, device=device)
+        blocks, row, column = [], 0, 0
+        for m in linears:
+            if _adapted(m):
+                r = m.lora_A.weight.shape[0]
+                b_bd[row : row + m.out_features, column : column + r] = m.lora_B.weight * m.scaling
+                blocks.append((row, row + m.out_features, column, column + r, m.scaling))
+                column += r
+            row += m.out_features
+    made = Factors(a_cat, b_bd, tuple(blocks))
+    linears[0].__dict__[CACHE] = (key, made)
+    return made
+
+
+def _adapter_grads(grad_a_cat, grad_b_full, f: Factors, a_list, b_list):
+    """Each A's and B's gradient in its parameter's dtype, from the group's (R, in) and
+    (out, R) products: one cast each, then views (A) and the diagonal blocks times s (B)."""
+    grad_a_cat = grad_a_cat.to(a_list[0].dtype)
+    grad_b_full = grad_b_full.to(b_list[0].dtype)
+    grad_a = [grad_a_cat[c0:c1] for _, _, c0, c1, _ in f.blocks]
+    grad_b = [grad_b_full[r0:r1, c0:c1] * s for r0, r1, c0, c1, s in f.blocks]
+    return grad_a, grad_b
+
+
 class LowRankLinear(torch.autograd.Function):
-    """x W^T + b plus s_i (x A_i^T) B_i^T on column blocks `spans` (start, end) of the output.
-    `factors`: A_0.. A_k-1, B_0.. B_k-1 (the adapters' parameters); W and b are frozen."""
+    """x W^T + b + (x a_cat^T) b_bd^T: a frozen (packed) linear and its adapters (`Factors`).
+    `params`: the A's then the B's, the parameters that receive the gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spans, scalings, *factors):
-        k = len(spans)
-        dtype = x.dtype
-        a_cat = torch.cat([a.to(dtype) for a in factors[:k]])  # (R, in)
+    def forward(ctx, x, weight, bias, f: Factors, *params):
         flat = x.reshape(-1, x.shape[-1])
-        low = flat @ a_cat.t()  # (T, R)
+        low = flat @ f.a_cat.t()  # (T, R)
         y = F.linear(flat, weight, bias)  # (T, out)
-        ranks = [a.shape[0] for a in factors[:k]]
-        for (start, end), part, b, s in zip(spans, low.split(ranks, 1), factors[k:], scalings):
-            y[:, start:end].addmm_(part, (b * s).to(dtype).t())
-        ctx.spans, ctx.scalings, ctx.ranks = spans, scalings, ranks
-        ctx.save_for_backward(x, weight, low, a_cat, *factors)
+        y.addmm_(low, f.b_bd.t())
+        ctx.f = f
+        ctx.save_for_backward(x, weight, low, *params)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, low, a_cat, *factors = ctx.saved_tensors
-        k = len(ctx.spans)
-        a_list, b_list = factors[:k], factors[k:]
-        dtype = x.dtype
-        flat_x = x.reshape(-1, x.shape[-1])
+        x, weight, low, *params = ctx.saved_tensors
+        f = ctx.f
         flat = grad.reshape(-1, grad.shape[-1])
-        scaled = [(b * s).to(dtype) for b, s in zip(b_list, ctx.scalings)]
-        blocks = [flat[:, start:end] for start, end in ctx.spans]
-        d_low = torch.cat([g @ b for g, b in zip(blocks, scaled)], dim=1)  # (T, R)
+        d_low = flat @ f.b_bd  # (T, R)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(flat @ weight, d_low, a_cat).view_as(x)
-        grad_a = (d_low.t() @ flat_x).split(ctx.ranks)  # (r_i, in)
-        grad_b = [
-            (g.t() @ part).to(b.dtype) * s
-            for g, part, b, s in zip(blocks, low.split(ctx.ranks, 1), b_list, ctx.scalings)
-        ]  # (out_i, r_i)
-        grad_a = [g.to(a.dtype) for g, a in zip(grad_a, a_list)]
-        return grad_x, None, None, None, None, *grad_a, *grad_b
+            grad_x = torch.addmm(flat @ weight, d_low, f.a_cat).view_as(x)
+        k = len(params) // 2
+        grad_a, grad_b = _adapter_grads(
+            d_low.t() @ x.reshape(-1, x.shape[-1]), flat.t() @ low, f, params[:k], params[k:]
+        )
+        return grad_x, None, None, None, *grad_a, *grad_b
 
 
 def lora_linear(x: torch.Tensor, linears, packed=None) -> torch.Tensor:
@@ -102,16 +156,15 @@ def lora_linear(x: torch.Tensor, linears, packed=None) -> torch.Tensor:
         weight = torch.cat([m.weight for m in linears])
         biases = [m.bias for m in linears if m.bias is not None]
         bias = torch.cat(biases) if biases else None
-    spans, scalings, a_list, b_list = [], [], [], []
-    start = 0
-    for m in linears:
-        if _adapted(m):
-            spans.append((start, start + m.out_features))
-            scalings.append(m.scaling)
-            a_list.append(m.lora_A.weight)
-            b_list.append(m.lora_B.weight)
-        start += m.out_features
-    return LowRankLinear.apply(x, weight, bias, tuple(spans), tuple(scalings), *a_list, *b_list)
+    adapted = [m for m in linears if _adapted(m)]
+    return LowRankLinear.apply(
+        x,
+        weight,
+        bias,
+        factors(linears, x.dtype, x.device),
+        *[m.lora_A.weight for m in adapted],
+        *[m.lora_B.weight for m in adapted],
+    )
 
 
 class LoraSiluMulLinear(torch.autograd.Function):
@@ -119,26 +172,24 @@ class LoraSiluMulLinear(torch.autograd.Function):
     (T, r) product: silu(gate) * up is recomputed in the backward by the same kernel."""
 
     @staticmethod
-    def forward(ctx, gate_up, inner, weight, bias, scaling, a, b):
-        dtype = gate_up.dtype
+    def forward(ctx, gate_up, inner, weight, bias, f: Factors, a, b):
         act = silu_mul_triton(*gate_up.split(inner, dim=-1))  # (T, I)
-        a_low = a.to(dtype)
-        low = act @ a_low.t()  # (T, r)
+        low = act @ f.a_cat.t()  # (T, r)
         out = F.linear(act, weight, bias)
-        out.addmm_(low, (b * scaling).to(dtype).t())
-        ctx.inner, ctx.scaling = inner, scaling
-        ctx.save_for_backward(gate_up, weight, low, a_low, a, b)
+        out.addmm_(low, f.b_bd.t())
+        ctx.inner, ctx.f = inner, f
+        ctx.save_for_backward(gate_up, weight, low, a, b)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        gate_up, weight, low, a_low, a, b = ctx.saved_tensors
+        gate_up, weight, low, a, b = ctx.saved_tensors
+        f = ctx.f
         d_out = d_out.contiguous()
-        d_low = d_out @ (b * ctx.scaling).to(d_out.dtype)  # (T, r)
-        d_act = torch.addmm(d_out @ weight, d_low, a_low)  # (T, I)
+        d_low = d_out @ f.b_bd  # (T, r)
+        d_act = torch.addmm(d_out @ weight, d_low, f.a_cat)  # (T, I)
         d_gate_up, act = silu_mul_backward_triton(gate_up, d_act, ctx.inner, True)
-        grad_a = (d_low.t() @ act).to(a.dtype)
-        grad_b = (d_out.t() @ low).to(b.dtype) * ctx.scaling
+        (grad_a,), (grad_b,) = _adapter_grads(d_low.t() @ act, d_out.t() @ low, f, [a], [b])
         return d_gate_up, None, None, None, None, grad_a, grad_b
 
 
@@ -147,8 +198,9 @@ def lora_silu_mul_linear(gate_up: torch.Tensor, inner: int, down) -> torch.Tenso
     path does not serve (no enabled adapter, dropout, a training base, no kernels)."""
     if not takes([down]) or not _train_kernels_take(gate_up):
         return None
+    f = factors([down], gate_up.dtype, gate_up.device)
     return LoraSiluMulLinear.apply(
-        gate_up, inner, down.weight, down.bias, down.scaling, down.lora_A.weight, down.lora_B.weight
+        gate_up, inner, down.weight, down.bias, f, down.lora_A.weight, down.lora_B.weight
     )
 
 

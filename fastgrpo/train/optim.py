@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.errors import UserError
+from fastgrpo.models.lora_train import adapters_stepped
 from fastgrpo.train.precision import LOW_PRECISION, MasterWeights, wants_masters
 
 SHARDS_FOLDER = "optimizer_shards"  # in a sharded job's checkpoint: every rank's pieces
@@ -125,6 +126,8 @@ class ModelOptimizer:
         weight gather as its own phase."""
         norm, taken = self._step(max_grad_norm, loss, timer)
         self.updates += taken and norm is not None
+        if taken:
+            adapters_stepped()  # LoRA's cached factors (fused AdamW moves no version counter)
         return norm, taken
 
     def _step(

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fastgrpo.models import Transformer
 from fastgrpo.models.lora import (
@@ -367,37 +368,52 @@ def test_a_bf16_layers_adapters_keep_no_fp32_copy_of_their_inputs():
     assert x.grad is not None and gate_up.grad is not None and layer.lora_A.weight.grad is not None
 
 
-def test_the_in_gemm_adapters_give_autograds_gradients_in_float64():
-    """LowRankLinear on column blocks of a packed output (one block left without an adapter):
-    values and gradients of x, A and B against the plain expression, by gradcheck in float64."""
-    from fastgrpo.models.lora_train import LowRankLinear
+def test_the_in_gemm_adapters_give_autograds_gradients_in_float64_and_follow_updates():
+    """A packed group of three linears, two with adapters (LowRankLinear over the block-diagonal
+    factors): values and gradients of x, A and B against the plain expression in float64; after
+    the adapters change in place (as an optimizer step changes them), the output follows."""
+    from fastgrpo.models.lora_train import lora_linear
 
     g = torch.Generator().manual_seed(4)
-    rand = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)  # noqa: E731
-    x = rand(2, 5, 7).requires_grad_()
-    weight, bias = rand(3 + 4 + 2, 7), rand(9)  # frozen
-    a1, b1 = rand(2, 7).requires_grad_(), rand(3, 2).requires_grad_()
-    a3, b3 = rand(3, 7).requires_grad_(), rand(2, 3).requires_grad_()
-    spans, scalings = ((0, 3), (7, 9)), (0.5, 2.0)
+    settings = LoraSettings(rank=2, alpha=3.0)
+    bases = [torch.nn.Linear(7, n, bias=True, dtype=torch.float64) for n in (3, 4, 2)]
+    linears = [LoraLinear(bases[0], settings), bases[1], LoraLinear(bases[2], settings)]
+    for m in linears:
+        m.requires_grad_(False)
+        if isinstance(m, LoraLinear):
+            m.lora_A.to(torch.float64).requires_grad_(True)
+            m.lora_B.to(torch.float64).requires_grad_(True)
+            with torch.no_grad():
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g))
+    x = torch.randn(2, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    params = [
+        p for m in linears if isinstance(m, LoraLinear) for p in (m.lora_A.weight, m.lora_B.weight)
+    ]
 
-    def plain(x, a1, a3, b1, b3):
-        y = torch.nn.functional.linear(x, weight, bias)
-        parts = [y[..., :3] + 0.5 * (x @ a1.t()) @ b1.t(), y[..., 3:7],
-                 y[..., 7:] + 2.0 * (x @ a3.t()) @ b3.t()]  # fmt: skip
+    def plain(x):
+        parts = [F.linear(x, m.weight, m.bias) for m in linears]
+        for i in (0, 2):
+            m = linears[i]
+            parts[i] = parts[i] + m.scaling * (x @ m.lora_A.weight.t()) @ m.lora_B.weight.t()
         return torch.cat(parts, -1)
 
-    def fused(x, a1, a3, b1, b3):
-        return LowRankLinear.apply(x, weight, bias, spans, scalings, a1, a3, b1, b3)
-
-    inputs = (x, a1, a3, b1, b3)
-    torch.testing.assert_close(fused(*inputs), plain(*inputs))
-    assert torch.autograd.gradcheck(fused, inputs)
+    mine, theirs = lora_linear(x, linears), plain(x)
+    torch.testing.assert_close(mine, theirs)
+    w = torch.randn(mine.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad((mine * w).sum(), [x, *params])
+    want = torch.autograd.grad((theirs * w).sum(), [x, *params])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():  # an optimizer step's in-place change
+        for p in params:
+            p.add_(0.1)
+    torch.testing.assert_close(lora_linear(x, linears), plain(x))
 
 
 def test_the_down_projections_adapter_in_the_fused_mlp_gives_autograds_gradients():
     """LoraSiluMulLinear (silu(gate) * up recomputed in the backward by the MLP's kernels, here
     interpreted) against torch's autograd on the plain expression, fp32, a real-ish width."""
-    from fastgrpo.models.lora_train import LoraSiluMulLinear
+    from fastgrpo.models.lora_train import lora_silu_mul_linear
 
     g = torch.Generator().manual_seed(8)
     inner, out_features, rank = 40, 24, 4
@@ -405,7 +421,11 @@ def test_the_down_projections_adapter_in_the_fused_mlp_gives_autograds_gradients
     weight = torch.randn(out_features, inner, generator=g) / 6
     a = (torch.randn(rank, inner, generator=g) / 6).requires_grad_()
     b = torch.randn(out_features, rank, generator=g).requires_grad_()
-    mine = LoraSiluMulLinear.apply(gate_up, inner, weight, None, 1.5, a, b)
+    down = LoraLinear(torch.nn.Linear(inner, out_features, bias=False), LoraSettings(4, 6.0))
+    with torch.no_grad():
+        down.weight.copy_(weight), down.lora_A.weight.copy_(a), down.lora_B.weight.copy_(b)
+    a, b = down.lora_A.weight, down.lora_B.weight
+    mine = lora_silu_mul_linear(gate_up, inner, down)
     gate, up = gate_up.split(inner, -1)
     act = torch.nn.functional.silu(gate) * up
     theirs = act @ weight.t() + 1.5 * (act @ a.t()) @ b.t()
@@ -415,3 +435,34 @@ def test_the_down_projections_adapter_in_the_fused_mlp_gives_autograds_gradients
     expected = torch.autograd.grad((theirs * w).sum(), (gate_up, a, b))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cached_factors_follow_a_fused_adamw_step_which_moves_no_version_counter():
+    """Fused AdamW (the trainer's on GPUs) changes the adapters without moving their version
+    counters; the trainer's optimizer announces each step (`adapters_stepped`), so the next
+    forward uses the new values."""
+    from fastgrpo.models.lora_train import lora_linear
+    from fastgrpo.train.optim import ModelOptimizer
+
+    layer = LoraLinear(torch.nn.Linear(6, 5), LoraSettings(rank=2, alpha=4.0))
+    params = [layer.lora_A.weight, layer.lora_B.weight]
+    optimizer = ModelOptimizer(
+        layer, learning_rate=0.1, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8
+    )
+    try:  # the GPU's AdamW, on this device
+        optimizer.adamw = torch.optim.AdamW(params, lr=0.1, fused=True)
+    except RuntimeError:
+        pytest.skip("no fused AdamW on this device")
+    x = torch.randn(4, 6)
+    before = lora_linear(x, [layer])  # the factors are cached now
+    versions = [p._version for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step(max_grad_norm=0.0)
+    assert [p._version for p in params] == versions  # why the step must be announced
+    expected = (
+        F.linear(x, layer.weight, layer.bias)
+        + layer.scaling * (x @ layer.lora_A.weight.t()) @ layer.lora_B.weight.t()
+    )
+    assert not torch.allclose(expected, before)
+    torch.testing.assert_close(lora_linear(x, [layer]), expected)
