@@ -13,6 +13,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from fastgrpo.rewards.math import extract_answer
+
 INSTALL = "pip install 'fastgrpo[math]' (or pip install math-verify)"
 
 
@@ -41,7 +43,29 @@ def math_verify(
         if text not in golds:  # G completions share one reference: parse it once
             golds[text] = parse(text if "$" in text else f"${text}$", parsing_timeout=None)
         gold = golds[text]
-        predicted = parse(str(completion), parsing_timeout=None)
+        predicted = _final_answer(str(completion))
         right = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=None)
         out.append(1.0 if right else 0.0)
     return out
+
+
+def _final_answer(completion: str) -> list:
+    """math-verify's parse of the completion's final answer: LaTeX math (a boxed answer first) or
+    a plain expression after an anchor ("the final answer is ..."); else the span
+    `math_accuracy` takes as the final stated answer. Plain expressions without an anchor are not
+    read: a completion that restates the question ("to calculate 18 - 17, you would ...") would
+    answer with the question's expression, evaluated (1): three of the 59 labelled SmolLM2
+    outputs in tests/rewards/smollm2_outputs.jsonl scored 1 that way."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    configs = [
+        LatexExtractionConfig(boxed_match_priority=0),
+        ExprExtractionConfig(try_extract_without_anchor=False),
+    ]
+    found = parse(completion, extraction_config=configs, parsing_timeout=None)
+    if found:
+        return found
+    span = extract_answer(completion)
+    if span is None:
+        return []
+    return parse(f"${span}$" if "\\" in span else span, parsing_timeout=None)
