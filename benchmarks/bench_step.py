@@ -78,6 +78,22 @@ def distinct_reward(prompts, completions, **columns) -> list[float]:
     return [int.from_bytes(d, "big") / 2**64 for d in digests]
 
 
+def tied_reward(share: float):
+    """`distinct_reward`, except that a `share` of prompts (chosen by a hash of the prompt, so
+    prompts drawn later are tied at the same rate) gives every completion the same reward: those
+    groups teach nothing, as on a task that is too easy or too hard (--zero-variance)."""
+
+    def reward(prompts, completions, **columns) -> list[float]:
+        scores = distinct_reward(prompts, completions)
+        for i, prompt in enumerate(prompts):
+            digest = hashlib.blake2b(str(prompt).encode(), digest_size=8).digest()
+            if int.from_bytes(digest, "big") / 2**64 < share:
+                scores[i] = 0.5
+        return scores
+
+    return reward
+
+
 def synthetic_tokenizer(vocab_size: int):
     """Words "t0" .. "t{V-1}" are ids 0 .. V-1, split on whitespace; END (id V) is EOS and pad."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -94,9 +110,9 @@ def synthetic_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def random_prompts(count: int, length: int, vocab_size: int, tokenizer) -> list[str]:
+def random_prompts(count: int, length: int, vocab_size: int, tokenizer, seed: int = 0) -> list[str]:
     """`count` prompts of `length` random words; each is exactly `length` tokens."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
     texts = [" ".join(f"t{i}" for i in row) for row in ids]
     lengths = {len(row) for row in tokenizer(texts, add_special_tokens=False)["input_ids"]}
@@ -119,7 +135,9 @@ def step_config(args) -> Config:
     config.model.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
     config.train.master_weights = getattr(args, "master_weights", "auto")
     config.train.parallel = getattr(args, "parallel", "auto")  # bench_scaling.py's jobs
-    config.rewards = [{"function": distinct_reward}]
+    share = getattr(args, "zero_variance", 0.0)
+    config.rewards = [{"function": tied_reward(share) if share else distinct_reward}]
+    config.algo.dynamic_sampling = getattr(args, "dynamic_sampling", False)
     validate(config)
     return config
 
@@ -168,10 +186,17 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
     )
     torch.manual_seed(0)
     seconds, records = [], []
+    drawn = iter(range(1, 10**6))  # dynamic sampling's further batches: fresh random prompts
+    vocab = SHAPES[args.shape]["vocab_size"]
+
+    def more_examples():
+        texts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer, seed=next(drawn))
+        return [Example(prompt=text, answer="0") for text in texts]
+
     for _ in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
-        records.append(grpo_step(config, trainer, examples))
+        records.append(grpo_step(config, trainer, examples, more_examples))
         synchronize(device)
         seconds.append(time.perf_counter() - start)
     timed = records[args.warmup :]
@@ -183,6 +208,8 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
     )
     if lora_rank:
         name = f"fastgrpo, LoRA r={lora_rank}"
+    if config.algo.dynamic_sampling:
+        name += ", dynamic sampling"
     row = summary(
         name,
         seconds[args.warmup :],
@@ -198,7 +225,9 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
         estimate = estimate_memory(config, trainer.model, args.prompt_len, device_bytes=total)
         row["predicted_peak_gib"] = estimate.peak / 2**30
     row["phases"] = {p: statistics.median(r[f"time/{p}"] for r in timed) for p in PHASES}
-    row["zero_std_groups"] = max(r["frac_zero_std_groups"] for r in timed)
+    row["zero_std_groups"] = statistics.mean(r["frac_zero_std_groups"] for r in timed)
+    if config.algo.dynamic_sampling:
+        row["rollouts_per_step"] = statistics.mean(r["dynamic_sampling/rounds"] for r in timed)
     del trainer
     return row
 
@@ -349,6 +378,15 @@ def print_table(results, forced: int) -> None:
             f"{r['method']:<34} {r['seconds_per_step']:>8.3f} "
             f"{r['completion_tokens_per_s']:>9,.0f} {peak:>9} {predicted:>9}  {cells}"
         )
+        if r.get("zero_std_groups") or "rollouts_per_step" in r:
+            print(
+                f"  groups of equal rewards in the trained batch: {r['zero_std_groups']:.1%}"
+                + (
+                    f"; rollouts per step {r['rollouts_per_step']:.2f}"
+                    if "rollouts_per_step" in r
+                    else ""
+                )
+            )
         if r["completion_length"] != [forced, forced]:
             print(f"  warning: completion lengths {r['completion_length']}, not all {forced}")
     if len(results) == 2:
@@ -391,6 +429,19 @@ def main():
         "--trl-cache", choices=("static",), help="TRL's cache_implementation for generate"
     )
     parser.add_argument(
+        "--zero-variance",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="this share of prompts gets one reward for all its completions (0.47: the quick start's)",
+    )
+    parser.add_argument(
+        "--dynamic-sampling",
+        dest="also_dynamic_sampling",
+        action="store_true",
+        help="also a run with algo.dynamic_sampling (with --zero-variance: what it costs)",
+    )
+    parser.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="model.gradient_checkpointing (and TRL's): recompute each layer in the backward",
@@ -407,6 +458,9 @@ def main():
     results = [] if args.no_full else [run_fastgrpo(args, device, dtype, tokenizer, prompts)]
     if args.lora:
         results.append(run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=args.lora))
+    if args.also_dynamic_sampling:
+        sampling = argparse.Namespace(**{**vars(args), "dynamic_sampling": True})
+        results.append(run_fastgrpo(sampling, device, dtype, tokenizer, prompts))
     if args.trl:
         trl_row = run_trl(args, device, dtype, tokenizer, prompts)
         if trl_row is not None:
@@ -424,6 +478,7 @@ def main():
         "master_weights": args.master_weights,
         "lora_rank": args.lora,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "zero_variance": args.zero_variance,
         "steps": args.steps,
         "warmup": args.warmup,
     }
