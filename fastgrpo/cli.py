@@ -24,7 +24,7 @@ commands:
   config   print the resolved configuration, or every valid key (--keys)
   export   write a run's model as one Hugging Face folder (LoRA adapters merged)
   push     upload a run's final model and a model card to the Hugging Face Hub
-  check    roll out a few batches of a config and say whether it can learn
+  check    predict a config's GPU memory, roll out a few batches, say whether it can learn
   plot     draw a run's metrics as PNGs
 
 examples:
@@ -154,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
     check = commands.add_parser(
         "check",
-        help="roll out a few batches of a config and say whether it can learn",
+        help="predict a config's GPU memory, roll out a few batches, say whether it can learn",
         description="Pre-flight check: load the model, task and rewards of CONFIG as train does, "
-        "roll out --steps batches of training prompts (no update, nothing written) and report "
+        "predict the run's peak GPU memory part by part and the longest completion that fits "
+        "(without a GPU: for a bf16 run on an H100 80GB), roll out --steps batches of training prompts (no update, nothing written) and report "
         "the share of groups with equal rewards, of completions cut off, reward failures, the "
         "mean reward and accuracy, and tokens/s; then a verdict with advice. Exit code 0 when "
         "nothing needs a look, 1 when the advice lists something.",
