@@ -25,6 +25,7 @@ roundings can turn a near tie between two tokens the other way.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,19 @@ KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later r
 PREFILL_GRAPH_SHARE = 16
 """A prefill is captured as a graph only where its pool's estimate is at most 1 / 16 of the memory
 budget: the pool stays allocated between rollouts, as the KV cache does."""
+
+
+_CUT_SHORT = threading.Event()
+
+
+def cut_rollouts_short(on: bool = True) -> None:
+    """While on, every wave ends at its next look at the finish flags (every `check_every`
+    decode steps), its rows cut where they are: a stop signal during training abandons the step
+    rather than waiting for its rollout (`train/stopping.py`)."""
+    if on:
+        _CUT_SHORT.set()
+    else:
+        _CUT_SHORT.clear()
 
 
 @dataclass
@@ -196,6 +210,8 @@ class RolloutEngine:
         for t in range(1, max_new_tokens):
             wave.step()
             if t % self.check_every == 0:
+                if _CUT_SHORT.is_set():
+                    break
                 live = look.live_groups(wave.live_finished(), group)
                 if live == 0:
                     break

@@ -30,6 +30,7 @@ from fastgrpo.train.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
     remove_partial_checkpoints,
+    rng_state,
     save_checkpoint,
     set_rng_state,
 )
@@ -46,7 +47,7 @@ from fastgrpo.train.resume import (
     restore_optimizer,
 )
 from fastgrpo.train.scoring import correct_sampling_logp, score_old, score_reference
-from fastgrpo.train.stopping import Interrupted, StopRequest
+from fastgrpo.train.stopping import Interrupted, StepAbandoned, StopRequest
 from fastgrpo.train.trainer import (
     Trainer,
     attach_adapters,
@@ -250,12 +251,69 @@ def _train(
         last_checkpoint=lambda: latest_checkpoint(run_dir),
     )
     stop.during_steps = True
+    # after each rollout: a stop signal on any rank abandons the step (`stopping`)
+    if world is not None:
+        trainer.abandon_step = lambda: world.any(stop.requested, model.device)
+    else:
+        trainer.abandon_step = lambda: stop.requested
+
+    def save(step: int) -> None:
+        optimizer_state = optimizer.state_dict()
+        # a sharded job's ranks each write their optimizer shards into rank 0's folder
+        shards = optimizer.save_shards if optimizer.writes_shards else None
+        if not main:
+            if shards is not None:
+                shards(None)
+            return
+        state = {
+            "optimizer": optimizer_state,
+            "scheduler": scheduler.state_dict(),
+            "sampler": sampler.state_dict(),
+            "processes": world.size if world is not None else 1,
+        }
+        where = save_checkpoint(
+            run_dir,
+            step,
+            # whole where FSDP shards `model`; a LoRA run's adapters (peft's files)
+            model=model if lora else trainer.rollout_model,
+            adapters=lora,
+            base_model=config.model.name,
+            tokenizer=tokenizer,
+            trainer_state=state,
+            config=config.to_dict(),
+            keep=config.run.keep_checkpoints,
+            write_shards=shards,
+        )
+        metrics.write(
+            f"checkpoint: saved {where} ({checkpoint_size(where)}; the newest "
+            f"run.keep_checkpoints={config.run.keep_checkpoints} are kept)"
+        )
+        if stop.requested:
+            metrics.write(
+                f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
+            )
+
     try:
         while step < config.train.steps and not stop.requested:
+            before = sampler.state_dict(), rng_state()
             examples = [task.train[i] for i in sampler.next_batch()]
             more = lambda: [task.train[i] for i in sampler.next_batch()]  # noqa: E731
-            with profiler.step(step + 1):
-                record = grpo_step(config, trainer, examples, more)
+            try:
+                with profiler.step(step + 1):
+                    record = grpo_step(config, trainer, examples, more)
+            except StepAbandoned:  # as if the step had not begun: saved, it is taken on resume
+                sampler.load_state_dict(before[0])
+                set_rng_state(before[1])
+                stop.requested = True
+                saved = latest_checkpoint(run_dir)
+                if step and (saved is None or checkpoint_step(saved) != step):
+                    save(step)
+                elif main:
+                    metrics.write(
+                        f"interrupted during step {step + 1}'s rollout: "
+                        + (f"{saved} holds step {step}" if step else "no step had finished")
+                    )
+                break
             step += 1
             if step == profiler.last:
                 _report_trace(result, metrics, profiler.finish())
@@ -276,40 +334,7 @@ def _train(
                 or step == config.train.steps
                 or (config.run.save_every and step % config.run.save_every == 0)
             ):
-                optimizer_state = optimizer.state_dict()
-                # a sharded job's ranks each write their optimizer shards into rank 0's folder
-                shards = optimizer.save_shards if optimizer.writes_shards else None
-                if not main:
-                    if shards is not None:
-                        shards(None)
-                    continue
-                state = {
-                    "optimizer": optimizer_state,
-                    "scheduler": scheduler.state_dict(),
-                    "sampler": sampler.state_dict(),
-                    "processes": world.size if world is not None else 1,
-                }
-                where = save_checkpoint(
-                    run_dir,
-                    step,
-                    # whole where FSDP shards `model`; a LoRA run's adapters (peft's files)
-                    model=model if lora else trainer.rollout_model,
-                    adapters=lora,
-                    base_model=config.model.name,
-                    tokenizer=tokenizer,
-                    trainer_state=state,
-                    config=config.to_dict(),
-                    keep=config.run.keep_checkpoints,
-                    write_shards=shards,
-                )
-                metrics.write(
-                    f"checkpoint: saved {where} ({checkpoint_size(where)}; the newest "
-                    f"run.keep_checkpoints={config.run.keep_checkpoints} are kept)"
-                )
-                if stop.requested:
-                    metrics.write(
-                        f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
-                    )
+                save(step)
     except Interrupted as interrupt:  # the second signal: no step to finish, nothing saved
         saved = latest_checkpoint(run_dir)
         interrupt.detail = f"aborted at step {step}; " + (
@@ -491,6 +516,8 @@ def roll_out_and_reward(config: Config, trainer: Trainer, examples: list, timer)
         rollout = sample_completions(
             config, trainer.rollout_model, trainer.tokenizer, trainer.stop_ids, examples, row_ids
         )
+    if trainer.abandon_step is not None and trainer.abandon_step():
+        raise StepAbandoned  # a stop signal cut this rollout (or another rank's) short
     with timer("reward"):
         scores = score_rollout(
             trainer.rewards,

@@ -1,7 +1,12 @@
-"""Ctrl-C and SIGTERM during training: save and stop after the current step, or stop cleanly.
+"""Ctrl-C and SIGTERM during training: save and stop at the next safe point, or stop cleanly.
 
-While steps run, the first SIGINT or SIGTERM asks the loop to finish its step, save a checkpoint
-and return; a second one aborts. Outside the steps (loading the model, the evaluations before
+While steps run, the first SIGINT or SIGTERM asks the loop to save a checkpoint and return. A
+signal during a step's rollout cuts the rollout short (`rollout.engine.cut_rollouts_short`) and
+abandons the step (`StepAbandoned`: nothing of it is applied, and the prompt order and random
+state go back to where the step began), so the checkpoint is the last finished step's and comes
+within a look of the engine rather than after the whole step: a launcher's grace period
+(torchrun waits 30 s after SIGTERM, then kills) need not cover a long rollout. A signal after the
+rollout lets the step finish first. A second signal aborts. Outside the steps (loading the model, the evaluations before
 and after) there is no step to finish, so a signal raises `Interrupted` at once; the command
 line turns it into one line and exit code 128 + the signal number (130 for Ctrl-C, 143 for
 SIGTERM), the codes shells use for a process a signal ended.
@@ -11,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import signal
+
+from fastgrpo.rollout.engine import cut_rollouts_short
 
 log = logging.getLogger("fastgrpo.train")
 
@@ -24,6 +31,11 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.detail = detail
+
+
+class StepAbandoned(Exception):
+    """A stop signal arrived during this step's rollout (on any rank): the step is dropped before
+    anything of it is applied."""
 
 
 class StopRequest:
@@ -45,12 +57,15 @@ class StopRequest:
         if not self.during_steps or self.requested:
             raise Interrupted(signum)
         self.requested, self.signum = True, signum
+        cut_rollouts_short()
         log.warning(
-            "%s: finishing this step, saving a checkpoint and exiting (once more to abort)",
+            "%s: saving a checkpoint and exiting after this step, or now if it is still rolling "
+            "out (once more to abort)",
             "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name,
         )
 
     def restore(self):
+        cut_rollouts_short(False)
         for number, previous in self._previous.items():
             signal.signal(number, signal.SIG_DFL if previous is None else previous)
         self._previous = {}

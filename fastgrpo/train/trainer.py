@@ -8,6 +8,7 @@ benchmarks/bench_step.py, and then run `grpo_step` exactly as `train` does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class Trainer:
     lora: LoraSettings | None = None
     merged: MergedWeights | None = None
     warned_short_batch: bool = False  # dynamic sampling said once that it ran out of rounds
+    # set by the training loop: after each rollout, whether a stop signal abandons the step
+    abandon_step: Callable[[], bool] | None = None
 
     @property
     def rollout_model(self):

@@ -391,3 +391,62 @@ def test_a_two_process_lora_run_resumed_takes_the_step_an_uninterrupted_one_take
     assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-4
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+SIGNAL_IN_ROLLOUT = """
+import os, signal
+import fastgrpo.train.loop as loop
+
+_sample, _calls = loop.sample_completions, [0]
+
+
+def _signalled(*args, **kwargs):  # with SIGNAL_AT=N, rank 0 alone gets SIGTERM in rollout N
+    _calls[0] += 1
+    if str(_calls[0]) == os.environ.get("SIGNAL_AT") and os.environ.get("RANK") == "0":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _sample(*args, **kwargs)
+
+
+loop.sample_completions = _signalled
+
+
+def digit_share(prompts, completions, **kwargs):
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_mid_rollout_abandons_the_step_on_every_rank_and_resume_is_exact(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Rank 0 is signalled while step 2 rolls out: its waves end at the next look, both ranks
+    agree after the rollout to drop the step, save step 1 (rank 0 the model, each rank its
+    optimizer shards) and exit; resumed, the run takes steps 2 and 3 as a straight run does."""
+    (tmp_path / "signal.py").write_text(SIGNAL_IN_ROLLOUT)
+    rewards = f"['{tmp_path / 'signal.py'}:digit_share']"
+    extra = {**EXTRA, "rollout.max_new_tokens": 40, "run.save_every": 10}
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    sets = lambda folder: [  # noqa: E731
+        f"--set={s}"
+        for s in tiny_overrides(tiny_model_dir, folder, steps=3, **extra, rewards=rewards)
+    ]
+    done = torchrun_train(sets(straight))
+    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setenv("SIGNAL_AT", "2")
+    stopped = torchrun_train(sets(run))
+    monkeypatch.delenv("SIGNAL_AT")
+    assert stopped.returncode != 0 and "interrupted: saved" in stopped.stdout, stopped.stderr[
+        -3000:
+    ]
+    saved = latest_checkpoint(run)
+    assert saved.name == "step_000001"
+    assert len(list((saved / SHARDS_FOLDER).glob("*.distcp"))) == 2
+    steps = [
+        json.loads(line)["step"] for line in _lines(run / "metrics.jsonl") if '"time/step"' in line
+    ]
+    assert steps == [1]
+    resumed = torchrun_train([], "--resume", str(run), "--trust-run-code")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = weights(straight), weights(run)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)

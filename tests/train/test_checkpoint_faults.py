@@ -302,3 +302,36 @@ def test_a_stop_signal_in_the_final_evaluation_exits_and_resume_runs_only_that_e
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("kind", "train") == "train"] == [1, 2]
     assert [(r["when"], r["step"]) for r in records if r.get("kind") == "eval"] == [("after", 2)]
+
+
+def test_sigterm_during_a_rollout_abandons_the_step_saves_the_last_and_resume_equals_a_straight_run(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """SIGTERM while step 2 rolls out: the engine cuts its waves at the next look (9 tokens: the
+    prefill's and 8 decode steps, not the 40 asked), the step is dropped, step 1 is saved, and the run resumed takes
+    steps 2 and 3 as a straight run does (the prompt order and random state went back)."""
+    rewards = f"['{write_test_rewards(tmp_path)}:digit_share']"
+    extra = {"rewards": rewards, "rollout.max_new_tokens": 40, "run.save_every": 10}
+    straight = tmp_path / "straight"
+    run_training(None, overrides=tiny_overrides(tiny_model_dir, straight, steps=3, **extra))
+    original, calls, lengths = loop_module.sample_completions, [], []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # step 2's rollout
+            os.kill(os.getpid(), signal.SIGTERM)
+        rollout = original(*args, **kwargs)
+        lengths.append(int(rollout.lengths.max()))
+        return rollout
+
+    monkeypatch.setattr(loop_module, "sample_completions", signalled)
+    run_dir = tmp_path / "run"
+    result = run_training(None, overrides=tiny_overrides(tiny_model_dir, run_dir, steps=3, **extra))
+    assert result.interrupted and result.steps == 1 and len(calls) == 2
+    assert lengths[0] == 40 and lengths[1] <= 9  # the tiny model rambles: only the cut stops it
+    assert latest_checkpoint(run_dir).name == "step_000001"
+    assert [r["step"] for r in train_steps(run_dir)] == [1]
+    monkeypatch.undo()
+    config = load_resume_config(run_dir, trust_run_code=True)
+    assert run_training(config, resume=True).steps == 3
+    assert_same_run(straight, run_dir)
