@@ -37,7 +37,7 @@ from benchmarks.bench_step import (
     synthetic_tokenizer,
 )
 from fastgrpo.config import TrainConfig
-from fastgrpo.train.loop import grpo_step
+from fastgrpo.train.step import grpo_step
 
 
 def worker(args) -> None:

@@ -6,7 +6,7 @@ every completion forced to 256 tokens, one optimizer update per rollout (num_ite
 mini-batch), beta 0.04 (a frozen reference model scores every completion), no gradient
 checkpointing, AdamW (by default over fp32 master weights of the bf16 ones: --master-weights).
 
-What is timed is what users run: `grpo_step` of `fastgrpo.train.loop` on a Trainer made by
+What is timed is what users run: `grpo_step` of `fastgrpo.train.step` on a Trainer made by
 `build_trainer`, as `fastgrpo train` makes it; only the models (random weights) and the tokenizer
 come from here.
 
@@ -63,8 +63,8 @@ from benchmarks.bench_rollout import (  # noqa: E402
 )
 from fastgrpo.config import Config, TrainConfig, validate  # noqa: E402
 from fastgrpo.data import Example  # noqa: E402
-from fastgrpo.train.loop import grpo_step  # noqa: E402
 from fastgrpo.train.memory_estimate import estimate_memory  # noqa: E402
+from fastgrpo.train.step import grpo_step  # noqa: E402
 from fastgrpo.train.trainer import attach_adapters, build_trainer, lora_settings  # noqa: E402
 
 END = "<|endoftext|>"  # EOS and pad; its id, the vocabulary size, is one the model cannot sample

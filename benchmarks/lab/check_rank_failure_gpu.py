@@ -83,9 +83,9 @@ def fault(prompts, completions, **kwargs):
 
 if FAULT in ("step_raises", "step_oom") and HIT:
     import torch
-    import fastgrpo.train.loop as loop
+    import fastgrpo.train.step as step
 
-    update_policy = loop.update_policy
+    update_policy = step.update_policy
 
     def failing_update(model, *args, **kwargs):
         if calls == AT:
@@ -95,7 +95,7 @@ if FAULT in ("step_raises", "step_oom") and HIT:
             raise RuntimeError(f"injected fault in the training step at step {calls}")
         return update_policy(model, *args, **kwargs)
 
-    loop.update_policy = failing_update
+    step.update_policy = failing_update
 
 if FAULT == "reward_hangs" and float(os.environ.get("HANG_TIMEOUT_S", "0")) > 0:
     import torch.distributed.distributed_c10d as c10d

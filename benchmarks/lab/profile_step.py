@@ -30,7 +30,7 @@ from benchmarks.bench_rollout import SHAPES  # noqa: E402
 from benchmarks.bench_step import PHASES, fastgrpo_trainer, random_prompts, synthetic_tokenizer  # noqa: E402
 from fastgrpo.config import TrainConfig  # noqa: E402
 from fastgrpo.train import profiling  # noqa: E402
-from fastgrpo.train.loop import grpo_step  # noqa: E402
+from fastgrpo.train.step import grpo_step  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 

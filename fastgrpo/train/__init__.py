@@ -9,8 +9,9 @@ import types
 from pathlib import Path
 
 from fastgrpo.train.evaluate import evaluate
-from fastgrpo.train.loop import TrainResult, grpo_step
+from fastgrpo.train.loop import TrainResult
 from fastgrpo.train.resume import load_resume_config
+from fastgrpo.train.step import grpo_step
 
 
 def run_training(

@@ -22,8 +22,8 @@ from fastgrpo.data import PromptSampler
 from fastgrpo.data.chat import render_prompt
 from fastgrpo.rewards.rollout_rewards import score_rollout
 from fastgrpo.rollout import release_engine
-from fastgrpo.train.loop import sample_completions
 from fastgrpo.train.memory_estimate import estimate_memory, longest_completion
+from fastgrpo.train.step import sample_completions
 
 # the advice's thresholds
 EQUAL_REWARDS_WARN = 0.3

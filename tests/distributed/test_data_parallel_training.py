@@ -395,9 +395,9 @@ def test_a_two_process_lora_run_resumed_takes_the_step_an_uninterrupted_one_take
 
 SIGNAL_IN_ROLLOUT = """
 import os, signal
-import fastgrpo.train.loop as loop
+import fastgrpo.train.step as step
 
-_sample, _calls = loop.sample_completions, [0]
+_sample, _calls = step.sample_completions, [0]
 
 
 def _signalled(*args, **kwargs):  # with SIGNAL_AT=N, rank 0 alone gets SIGTERM in rollout N
@@ -407,7 +407,7 @@ def _signalled(*args, **kwargs):  # with SIGNAL_AT=N, rank 0 alone gets SIGTERM 
     return _sample(*args, **kwargs)
 
 
-loop.sample_completions = _signalled
+step.sample_completions = _signalled
 
 
 def digit_share(prompts, completions, **kwargs):

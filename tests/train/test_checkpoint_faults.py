@@ -23,6 +23,7 @@ from fastgrpo.cli import main
 from fastgrpo.train import checkpoint as checkpoint_module
 from fastgrpo.train import load_resume_config, run_training
 from fastgrpo.train import loop as loop_module
+from fastgrpo.train import step as step_module
 from fastgrpo.train.checkpoint import CheckpointError, checkpoint_dirs, latest_checkpoint
 
 # the module, not the function of the same name that fastgrpo.train exports
@@ -314,7 +315,7 @@ def test_sigterm_during_a_rollout_abandons_the_step_saves_the_last_and_resume_eq
     extra = {"rewards": rewards, "rollout.max_new_tokens": 40, "run.save_every": 10}
     straight = tmp_path / "straight"
     run_training(None, overrides=tiny_overrides(tiny_model_dir, straight, steps=3, **extra))
-    original, calls, lengths = loop_module.sample_completions, [], []
+    original, calls, lengths = step_module.sample_completions, [], []
 
     def signalled(*args, **kwargs):
         calls.append(1)
@@ -324,7 +325,7 @@ def test_sigterm_during_a_rollout_abandons_the_step_saves_the_last_and_resume_eq
         lengths.append(int(rollout.lengths.max()))
         return rollout
 
-    monkeypatch.setattr(loop_module, "sample_completions", signalled)
+    monkeypatch.setattr(step_module, "sample_completions", signalled)
     run_dir = tmp_path / "run"
     result = run_training(None, overrides=tiny_overrides(tiny_model_dir, run_dir, steps=3, **extra))
     assert result.interrupted and result.steps == 1 and len(calls) == 2

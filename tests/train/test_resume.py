@@ -17,6 +17,7 @@ from fastgrpo.cli import main
 from fastgrpo.config import ConfigError
 from fastgrpo.train import load_resume_config, run_training
 from fastgrpo.train import loop as loop_module
+from fastgrpo.train import step as step_module
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_trainer_state
 
 
@@ -32,13 +33,13 @@ def resume(run_dir, *overrides, trust=False):
 def lrs_in_force(monkeypatch) -> list[list[float]]:
     """The AdamW param groups' learning rates at each update (what really steps the weights)."""
     seen = []
-    original = loop_module.update_policy
+    original = step_module.update_policy
 
     def spy(model, optimizer, *args, **kwargs):
         seen.append([group["lr"] for group in optimizer.adamw.param_groups])
         return original(model, optimizer, *args, **kwargs)
 
-    monkeypatch.setattr(loop_module, "update_policy", spy)
+    monkeypatch.setattr(step_module, "update_policy", spy)
     return seen
 
 

@@ -13,7 +13,8 @@ import torch
 
 from fastgrpo.cli import main
 from fastgrpo.errors import RunStopped
-from fastgrpo.train import loop, run_training
+from fastgrpo.train import run_training
+from fastgrpo.train import step as step_module
 from fastgrpo.train.checkpoint import checkpoint_dirs
 from fastgrpo.train.guards import RunGuard
 from fastgrpo.train.optim import ModelOptimizer
@@ -43,7 +44,7 @@ def train_records(run_dir) -> list[dict]:
 
 def poison_steps(monkeypatch, steps: set[int]) -> None:
     """Every loss of the GRPO steps numbered in `steps` becomes NaN (so do its gradients)."""
-    original, calls = loop.update_policy, []
+    original, calls = step_module.update_policy, []
 
     def update(model, optimizer, scheduler, plan, loss, **kwargs):
         calls.append(1)
@@ -56,7 +57,7 @@ def poison_steps(monkeypatch, steps: set[int]) -> None:
 
         return original(model, optimizer, scheduler, plan, loss, **kwargs)
 
-    monkeypatch.setattr(loop, "update_policy", update)
+    monkeypatch.setattr(step_module, "update_policy", update)
 
 
 def test_nan_steps_are_skipped_and_k_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(
