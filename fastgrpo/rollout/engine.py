@@ -39,11 +39,39 @@ from fastgrpo.rollout.sampling import SamplingParams
 log = logging.getLogger("fastgrpo.rollout")
 
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
+FREE_MEMORY_SHARE = 0.7  # of a GPU's free memory: the budget the rows of a wave must fit
 PROMPT_BUCKET = 64  # prompt cache capacity is rounded up to this, so similar batches share buffers
 KEEP_WAVE_SHAPES = 2  # wave buffers (KV cache, graph) kept for reuse by later rollouts
 PREFILL_GRAPH_SHARE = 16
 """A prefill is captured as a graph only where its pool's estimate is at most 1 / 16 of the memory
 budget: the pool stays allocated between rollouts, as the KV cache does."""
+
+
+def prompt_capacity(prompt_len: int) -> int:
+    """The prompt cache's length for prompts of up to `prompt_len` tokens."""
+    return -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
+
+
+def row_bytes(config, dtype: torch.dtype, prompt_len: int, max_new_tokens: int) -> int:
+    """Memory one sample row costs in a wave: its completion cache, its prompt's cache (counted in
+    full for every row, an upper bound when G samples share it), and the sampler's fp32 logits
+    work."""
+    per_token = kv_bytes_per_token(config, dtype)
+    return per_token * (prompt_len + max_new_tokens) + 4 * 4 * config.vocab_size
+
+
+def wave_plan(num_prompts: int, num_samples: int, fit: int):
+    """(first prompt, prompts in the wave, first sample, samples per prompt) per wave, for waves of
+    at most `fit` rows: whole groups when one fits; otherwise one prompt per wave with its samples
+    split."""
+    if fit >= num_samples:
+        per_wave = fit // num_samples
+        for first in range(0, num_prompts, per_wave):
+            yield first, min(per_wave, num_prompts - first), 0, num_samples
+        return
+    for prompt in range(num_prompts):
+        for sample in range(0, num_samples, fit):
+            yield prompt, 1, sample, min(fit, num_samples - sample)
 
 
 _CUT_SHORT = threading.Event()
@@ -176,30 +204,14 @@ class RolloutEngine:
             return self.memory_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.7)
+            return int(free * FREE_MEMORY_SHARE)
         return DEFAULT_CPU_MEMORY_BYTES
 
-    def _row_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Memory one sample row costs in a wave: its completion cache, its prompt's cache (counted
-        in full for every row, an upper bound when G samples share it), and the sampler's fp32
-        logits work."""
-        cfg = self.model.config
-        per_token = kv_bytes_per_token(cfg, self.dtype)
-        return per_token * (prompt_len + max_new_tokens) + 4 * 4 * cfg.vocab_size
-
     def _waves(self, prompts, num_samples, max_new_tokens):
-        """(first prompt, prompts in the wave, first sample, samples per prompt) per wave: whole
-        groups when one fits; otherwise one prompt per wave with its samples split."""
+        """`wave_plan` for the rows that fit the budget."""
         longest = max(len(p) for p in prompts)
-        fit = max(1, self._budget() // self._row_bytes(longest, max_new_tokens))
-        if fit >= num_samples:
-            per_wave = fit // num_samples
-            for first in range(0, len(prompts), per_wave):
-                yield first, min(per_wave, len(prompts) - first), 0, num_samples
-            return
-        for prompt in range(len(prompts)):
-            for sample in range(0, num_samples, fit):
-                yield prompt, 1, sample, min(fit, num_samples - sample)
+        per_row = row_bytes(self.model.config, self.dtype, longest, max_new_tokens)
+        return wave_plan(len(prompts), num_samples, max(1, self._budget() // per_row))
 
     # ------------------------------------------------------------------ one wave
 
@@ -234,8 +246,7 @@ class RolloutEngine:
 
     def _buffers(self, num_prompts, group, prompt_len, max_new_tokens, params) -> WaveBuffers:
         """Buffers (and graph) for this wave shape: reused when the shape comes again."""
-        capacity = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
-        key = (num_prompts, group, capacity, max_new_tokens, params)
+        key = (num_prompts, group, prompt_capacity(prompt_len), max_new_tokens, params)
         wave = self._kept.pop(key, None)
         if wave is None:
             wave = WaveBuffers(

@@ -35,6 +35,21 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 
 
+def completion_slots(max_new_tokens: int) -> int:
+    """Completion cache slots per row: every sampled token but the last is fed back and needs
+    one."""
+    return max(max_new_tokens - 1, 1)
+
+
+def cache_bytes(config, num_prompts, prompt_capacity, rows, max_new_tokens, dtype) -> int:
+    """The bytes `KVCache.allocate` takes for these arguments (the prompt stores' spare row
+    included)."""
+    per_token = kv_bytes_per_token(config, dtype)
+    return per_token * (
+        (num_prompts + 1) * prompt_capacity + rows * completion_slots(max_new_tokens)
+    )
+
+
 @dataclass
 class KVCache:
     prompt_k: list[torch.Tensor]  # per layer (P, Lp, nkv, d): the first P rows of prompt_store_k
@@ -64,8 +79,7 @@ class KVCache:
         """Room for `num_prompts` prompts of up to `prompt_capacity` tokens and `rows` samples."""
         heads = (config.num_kv_heads, config.head_dim)
         layers = range(config.num_layers)
-        # completion slots: every sampled token but the last is fed back and needs one
-        slots = max(max_new_tokens - 1, 1)
+        slots = completion_slots(max_new_tokens)
         new = lambda *shape: torch.zeros(*shape, *heads, dtype=dtype, device=device)  # noqa: E731
         store_k = [new(num_prompts + 1, prompt_capacity) for _ in layers]
         store_v = [new(num_prompts + 1, prompt_capacity) for _ in layers]

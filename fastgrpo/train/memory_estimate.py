@@ -39,11 +39,10 @@ from torch import nn
 from fastgrpo.config import Config
 from fastgrpo.kernels.train.lm_head_grpo_loss import DEFAULT_CHUNK_BYTES, _chunk_rows
 from fastgrpo.models.lora import lora_modules
-from fastgrpo.rollout.engine import PROMPT_BUCKET
-from fastgrpo.rollout.kv_cache import kv_bytes_per_token
+from fastgrpo.rollout.engine import FREE_MEMORY_SHARE, prompt_capacity, row_bytes, wave_plan
+from fastgrpo.rollout.kv_cache import cache_bytes
 from fastgrpo.train.batching import plan_micro_batches
 
-ENGINE_SHARE = 0.7  # of the free memory, the engine's budget for a wave (`GenerationEngine`)
 GIB = 2**30
 
 
@@ -87,7 +86,8 @@ def _itemsize(model: nn.Module) -> int:
     return next(model.parameters()).element_size()
 
 
-def _weights(model: nn.Module, config: Config) -> dict[str, int]:
+def _weights(model: nn.Module, config: Config) -> tuple[dict[str, int], int]:
+    """(the bytes held throughout, by part; the fp32 gradient buffer the optimizer step adds)."""
     adapted = lora_modules(model)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -110,8 +110,7 @@ def _weights(model: nn.Module, config: Config) -> dict[str, int]:
             state += n * 2 * size
     parts["gradients"] = grads
     parts["optimizer"] = state
-    parts["_step_buffer"] = step_buffer
-    return parts
+    return parts, step_buffer
 
 
 def _largest_micro_batch(config: Config, prompt_len: int, max_new: int) -> int:
@@ -150,26 +149,17 @@ def _lora_products(model: nn.Module) -> int:
 
 
 def _kv_cache(config: Config, model, prompt_len: int, max_new: int, free: int | None):
-    """(bytes the engine keeps for its wave, waves)."""
+    """(bytes the engine keeps for its largest wave, waves), planned as the engine plans them."""
     cfg, r = model.config, config.rollout
-    per_token = kv_bytes_per_token(cfg, next(model.parameters()).dtype)
-    capacity = -(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET
-    prompts, rows = r.prompts_per_step, r.prompts_per_step * r.num_generations
-    whole = per_token * ((prompts + 1) * capacity + rows * max(max_new - 1, 1))
-    if free is None:
-        return whole, 1
-    row_bytes = per_token * (prompt_len + max_new) + 16 * cfg.vocab_size
-    fit = max(1, int(free * ENGINE_SHARE) // row_bytes)
-    if fit >= rows:
-        return whole, 1
-    if fit >= r.num_generations:
-        wave_prompts = fit // r.num_generations
-        rows_in_wave = wave_prompts * r.num_generations
-        waves = -(-prompts // wave_prompts)
-    else:
-        wave_prompts, rows_in_wave = 1, fit
-        waves = prompts * -(-r.num_generations // fit)
-    return per_token * ((wave_prompts + 1) * capacity + rows_in_wave * max(max_new - 1, 1)), waves
+    dtype = next(model.parameters()).dtype
+    rows = r.prompts_per_step * r.num_generations
+    fit = rows
+    if free is not None:
+        fit = max(1, int(free * FREE_MEMORY_SHARE) // row_bytes(cfg, dtype, prompt_len, max_new))
+    waves = list(wave_plan(r.prompts_per_step, r.num_generations, fit))
+    _, prompts, _, samples = waves[0]  # the first wave is the largest
+    size = cache_bytes(cfg, prompts, prompt_capacity(prompt_len), prompts * samples, max_new, dtype)
+    return size, len(waves)
 
 
 def estimate_memory(
@@ -186,8 +176,7 @@ def estimate_memory(
     cfg = model.config
     max_new = max_new_tokens or config.rollout.max_new_tokens
     size = _itemsize(model)
-    parts = _weights(model, config)
-    step_buffer = parts.pop("_step_buffer")
+    parts, step_buffer = _weights(model, config)
     persistent = sum(parts.values())
     free = None if device_bytes is None else max(0, device_bytes - persistent)
     parts["kv cache"], waves = _kv_cache(config, model, prompt_len, max_new, free)

@@ -20,6 +20,7 @@ from fastgrpo.models.sources import cache_dir
 from fastgrpo.models.transformer import ModelConfig, Transformer
 from fastgrpo.rollout.decode import PrefillInputs, WaveBuffers, prefill_rows, prompt_buckets
 from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.engine import row_bytes as engine_row_bytes
 from fastgrpo.rollout.sampling import SamplingParams
 
 VOCAB = 97
@@ -134,7 +135,7 @@ def test_same_seeds_give_the_same_samples_however_rows_are_split_into_waves():
     params = SamplingParams(1.0)
     whole = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
     engine = RolloutEngine(ours, stop_ids=[NEVER], pad_id=0)
-    row_bytes = engine._row_bytes(max(map(len, PROMPTS)), 12)
+    row_bytes = engine_row_bytes(ours.config, engine.dtype, max(map(len, PROMPTS)), 12)
     for rows_per_wave in (3, 4, 9):  # sub-groups of one prompt; one group; several groups
         engine.memory_bytes = row_bytes * rows_per_wave
         split = engine.generate(PROMPTS, num_samples=4, max_new_tokens=12, params=params, seed=5)
