@@ -30,12 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastgrpo.models.lora_train import (
-    LowRankInput,
-    SwigluLowRankInput,
-    lora_linear,
-    takes,
-)
+from fastgrpo.models.lora_train import lora_linear, takes
 from fastgrpo.models.packed import packed_linear
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -131,25 +126,17 @@ class LoraLinear(nn.Linear):
         self.enabled = True
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """scaling * B A dropout(x) in fp32, (..., out). Without dropout, autograd keeps x as it
-        is (the layer keeps it anyway) instead of an fp32 copy (`LowRankInput`)."""
-        a = self.lora_A.weight
+        """scaling * B A dropout(x) in fp32, (..., out): the plain path, where the in-GEMM one
+        (`lora_train`) does not serve (dropout while training, a base weight that trains)."""
+        x = x.to(self.lora_A.weight.dtype)
         if self.dropout and self.training:
-            down = self.lora_A(F.dropout(x.to(a.dtype), self.dropout))
-        else:
-            down = LowRankInput.apply(x, a)
-        return self.lora_B(down) * self.scaling
+            x = F.dropout(x, self.dropout)
+        return self.lora_B(self.lora_A(x)) * self.scaling
 
     def delta_of_swiglu(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
-        """`delta(silu(gate) * up)` for down_proj, whose input the fused MLP recomputes: without
-        dropout, autograd keeps only gate_up (which the MLP keeps too), not fp32 copies of gate,
-        up and their product."""
-        if self.dropout and self.training:
-            gate, up = gate_up.split(inner, dim=-1)
-            return self.delta(F.silu(gate.float()) * up.float())
-        return (
-            self.lora_B(SwigluLowRankInput.apply(gate_up, inner, self.lora_A.weight)) * self.scaling
-        )
+        """`delta(silu(gate) * up)` for down_proj, whose input the fused MLP does not keep."""
+        gate, up = gate_up.split(inner, dim=-1)
+        return self.delta(F.silu(gate.float()) * up.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes([self]):  # the adapter inside the GEMM's Function (`lora_train`)

@@ -332,40 +332,27 @@ def test_modules_to_save_train_whole_as_in_peft_and_the_reference_keeps_their_ba
         assert torch.equal(again.lm_head.weight, ours.lm_head.weight.detach())
 
 
-def test_the_low_rank_inputs_give_autograds_gradients_in_float64():
-    from fastgrpo.models.lora_train import LowRankInput, SwigluLowRankInput
-
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(7, 13, dtype=torch.float64, generator=g, requires_grad=True)
-    a = torch.randn(3, 13, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(LowRankInput.apply, (x, a))
-    gate_up = torch.randn(5, 2 * 11, dtype=torch.float64, generator=g, requires_grad=True)
-    a2 = torch.randn(4, 11, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda gu, w: SwigluLowRankInput.apply(gu, 11, w), (gate_up, a2)
-    )
-    # and the values of the plain expression
-    gate, up = gate_up.split(11, dim=-1)
-    plain = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, a2)
-    torch.testing.assert_close(SwigluLowRankInput.apply(gate_up, 11, a2), plain)
-
-
 def test_a_bf16_layers_adapters_keep_no_fp32_copy_of_their_inputs():
-    """What autograd keeps for backward: the bf16 inputs (which the layer keeps anyway) and the
-    (tokens, r) products, never a (tokens, in) fp32 copy per adapter."""
+    """What autograd keeps for backward on the in-GEMM path (an adapted linear, and down_proj's
+    adapter in the fused MLP, here interpreted): the bf16 inputs (which the layer keeps anyway)
+    and the (tokens, r) products, never a (tokens, in) fp32 copy per adapter."""
+    from fastgrpo.models.lora_train import lora_silu_mul_linear
+
     settings = LoraSettings(rank=4, alpha=8)
     base = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
     layer = LoraLinear(base, settings)
+    down = LoraLinear(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), settings)
     x = torch.randn(33, 64, dtype=torch.bfloat16, requires_grad=True)
     gate_up = torch.randn(33, 2 * 64, dtype=torch.bfloat16, requires_grad=True)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-        out = layer.delta(x) + layer.delta_of_swiglu(gate_up, 64)
+        out = layer(x).float().sum() + lora_silu_mul_linear(gate_up, 64, down).float().sum()
     big_fp32 = [t for t in kept if t.dtype == torch.float32 and t.shape[-1] >= 64 and t.dim() == 2
                 and t.shape[0] == 33]  # fmt: skip
     assert big_fp32 == [], [tuple(t.shape) for t in big_fp32]
     out.sum().backward()
     assert x.grad is not None and gate_up.grad is not None and layer.lora_A.weight.grad is not None
+    assert down.lora_A.weight.grad is not None
 
 
 def test_the_in_gemm_adapters_give_autograds_gradients_in_float64_and_follow_updates():
