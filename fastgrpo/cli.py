@@ -157,10 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict a config's GPU memory, roll out a few batches, say whether it can learn",
         description="Pre-flight check: load the model, task and rewards of CONFIG as train does, "
         "predict the run's peak GPU memory part by part and the longest completion that fits "
-        "(without a GPU: for a bf16 run on an H100 80GB), roll out --steps batches of training prompts (no update, nothing written) and report "
-        "the share of groups with equal rewards, of completions cut off, reward failures, the "
-        "mean reward and accuracy, and tokens/s; then a verdict with advice. Exit code 0 when "
-        "nothing needs a look, 1 when the advice lists something.",
+        "(without a GPU: for a bf16 run on an H100 80GB), roll out --steps batches of training "
+        "prompts (no update, nothing written) and report the share of groups with equal "
+        "rewards, of completions cut off, reward failures, the mean reward and accuracy, and "
+        "tokens/s; then a verdict with advice. Exit code 0 when nothing needs a look, 1 when the "
+        "advice lists something.",
     )
     _add_config_arguments(check)
     check.add_argument("--steps", type=int, default=2, help="batches to roll out (default 2)")

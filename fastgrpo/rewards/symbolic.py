@@ -34,8 +34,12 @@ def math_verify(
 ) -> list[float]:
     """1.0 where the completion's final answer equals the reference answer symbolically, else
     0.0 (also when either cannot be parsed)."""
-    from math_verify import parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    answer_forms = [  # what `_final_answer` reads first
+        LatexExtractionConfig(boxed_match_priority=0),
+        ExprExtractionConfig(try_extract_without_anchor=False),
+    ]
     golds: dict[str, list] = {}
     out = []
     for completion, reference in zip(completions, answer, strict=True):
@@ -43,26 +47,22 @@ def math_verify(
         if text not in golds:  # G completions share one reference: parse it once
             golds[text] = parse(text if "$" in text else f"${text}$", parsing_timeout=None)
         gold = golds[text]
-        predicted = _final_answer(str(completion))
+        predicted = _final_answer(str(completion), answer_forms)
         right = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=None)
         out.append(1.0 if right else 0.0)
     return out
 
 
-def _final_answer(completion: str) -> list:
-    """math-verify's parse of the completion's final answer: LaTeX math (a boxed answer first) or
-    a plain expression after an anchor ("the final answer is ..."); else the span
+def _final_answer(completion: str, answer_forms: list) -> list:
+    """math-verify's parse of the completion's final answer: `answer_forms` (LaTeX math, a boxed
+    answer first, or a plain expression after an anchor: "the final answer is ..."); else the span
     `math_accuracy` takes as the final stated answer. Plain expressions without an anchor are not
     read: a completion that restates the question ("to calculate 18 - 17, you would ...") would
     answer with the question's expression, evaluated (1): three of the 59 labelled SmolLM2
     outputs in tests/rewards/smollm2_outputs.jsonl scored 1 that way."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    from math_verify import parse
 
-    configs = [
-        LatexExtractionConfig(boxed_match_priority=0),
-        ExprExtractionConfig(try_extract_without_anchor=False),
-    ]
-    found = parse(completion, extraction_config=configs, parsing_timeout=None)
+    found = parse(completion, extraction_config=answer_forms, parsing_timeout=None)
     if found:
         return found
     span = extract_answer(completion)
