@@ -163,15 +163,19 @@ def peak_gib(device, baseline: int) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
 
 
-def fastgrpo_trainer(args, device, dtype, tokenizer, prompts, world=None, lora_rank=0):
+def fastgrpo_trainer(
+    args, device, dtype, tokenizer, prompts, world=None, lora_rank=0, lora_merge=True
+):
     """(config, trainer, examples) for this workload: random policy (and reference) models;
     `world`: the data-parallel job the trainer is a rank of (bench_scaling.py); `lora_rank`:
-    adapters of that rank on every linear layer (alpha = 2 x rank), the reference the base."""
+    adapters of that rank on every linear layer (alpha = 2 x rank), the reference the base;
+    `lora_merge`: lora.merge_for_rollout."""
     config = step_config(args)
     model = random_native_model(args.shape, device, dtype)
     lora = None
     if lora_rank:
         config.lora.rank, config.lora.alpha = lora_rank, 2.0 * lora_rank
+        config.lora.merge_for_rollout = lora_merge
         lora = lora_settings(config)
         attach_adapters(model, lora)
     ref_model = random_native_model(args.shape, device, dtype) if args.beta and not lora else None
@@ -179,10 +183,10 @@ def fastgrpo_trainer(args, device, dtype, tokenizer, prompts, world=None, lora_r
     return config, trainer, [Example(prompt=text, answer="0") for text in prompts]
 
 
-def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
+def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0, lora_merge=True) -> dict:
     baseline = memory_baseline(device)
     config, trainer, examples = fastgrpo_trainer(
-        args, device, dtype, tokenizer, prompts, lora_rank=lora_rank
+        args, device, dtype, tokenizer, prompts, lora_rank=lora_rank, lora_merge=lora_merge
     )
     torch.manual_seed(0)
     seconds, records = [], []
@@ -207,7 +211,7 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
         "fastgrpo" if args.master_weights == "auto" else f"fastgrpo, masters {args.master_weights}"
     )
     if lora_rank:
-        name = f"fastgrpo, LoRA r={lora_rank}"
+        name = f"fastgrpo, LoRA r={lora_rank}" + ("" if lora_merge else ", adapters in the engine")
     if config.algo.dynamic_sampling:
         name += ", dynamic sampling"
     row = summary(
@@ -228,8 +232,20 @@ def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0) -> dict:
     row["zero_std_groups"] = statistics.mean(r["frac_zero_std_groups"] for r in timed)
     if config.algo.dynamic_sampling:
         row["rollouts_per_step"] = statistics.mean(r["dynamic_sampling/rounds"] for r in timed)
+    row["logp_gap"] = sampler_gap(config, trainer, examples)
     del trainer
     return row
+
+
+def sampler_gap(config, trainer, examples) -> dict:
+    """|sampler - trainer| log-probs of one more step's tokens (mean, max): that step scores the
+    old log-probs (importance_sampling_correction's metrics); untimed."""
+    config.algo.importance_sampling_correction = True
+    config.algo.importance_sampling_mode = "token_mask"
+    record = grpo_step(config, trainer, examples)
+    config.algo.importance_sampling_correction = False
+    key = "sampling/sampling_logp_difference/"
+    return {"mean": record[key + "mean"], "max": record[key + "max"]}
 
 
 def summary(method, seconds, tokens, peak, *, lengths) -> dict:
@@ -365,7 +381,7 @@ def trl_steps(args, device, dtype, tokenizer, prompts, folder: Path, baseline: i
 
 def print_table(results, forced: int) -> None:
     print(
-        f"{'method':<34} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'predicted':>9}  "
+        f"{'method':<44} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'predicted':>9}  "
         + " ".join(f"{p:>12}" for p in PHASES)
     )
     for r in results:
@@ -375,7 +391,7 @@ def print_table(results, forced: int) -> None:
         phases = r.get("phases", {})
         cells = " ".join(f"{phases[p]:>12.4f}" if p in phases else f"{'-':>12}" for p in PHASES)
         print(
-            f"{r['method']:<34} {r['seconds_per_step']:>8.3f} "
+            f"{r['method']:<44} {r['seconds_per_step']:>8.3f} "
             f"{r['completion_tokens_per_s']:>9,.0f} {peak:>9} {predicted:>9}  {cells}"
         )
         if r.get("zero_std_groups") or "rollouts_per_step" in r:
@@ -387,6 +403,9 @@ def print_table(results, forced: int) -> None:
                     else ""
                 )
             )
+        if "logp_gap" in r:
+            gap = r["logp_gap"]
+            print(f"  |sampler - trainer| log-probs: mean {gap['mean']:.2e}, max {gap['max']:.2e}")
         if r["completion_length"] != [forced, forced]:
             print(f"  warning: completion lengths {r['completion_length']}, not all {forced}")
     if len(results) == 2:
@@ -423,6 +442,12 @@ def main():
         "--lora", type=int, default=0, metavar="R", help="also a LoRA run: rank R, all linears"
     )
     parser.add_argument(
+        "--lora-rollout",
+        choices=("merged", "adapters", "both"),
+        default="merged",
+        help="lora.merge_for_rollout true (merged), false (adapters), or a run of each",
+    )
+    parser.add_argument(
         "--no-full", action="store_true", help="skip the full fine-tune (with --lora: 7B)"
     )
     parser.add_argument(
@@ -456,8 +481,10 @@ def main():
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
 
     results = [] if args.no_full else [run_fastgrpo(args, device, dtype, tokenizer, prompts)]
-    if args.lora:
-        results.append(run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=args.lora))
+    for merge in {"merged": [True], "adapters": [False], "both": [True, False]}[args.lora_rollout]:
+        if args.lora:
+            run = run_fastgrpo(args, device, dtype, tokenizer, prompts, args.lora, merge)
+            results.append(run)
     if args.also_dynamic_sampling:
         sampling = argparse.Namespace(**{**vars(args), "dynamic_sampling": True})
         results.append(run_fastgrpo(sampling, device, dtype, tokenizer, prompts))
@@ -477,6 +504,7 @@ def main():
         "micro_batch_tokens": args.micro_batch_tokens,
         "master_weights": args.master_weights,
         "lora_rank": args.lora,
+        "lora_rollout": args.lora_rollout,
         "gradient_checkpointing": args.gradient_checkpointing,
         "zero_variance": args.zero_variance,
         "steps": args.steps,

@@ -414,6 +414,8 @@ class MergedWeights:
         # its own merged tensors in place of the shared bases; the shared tensors keep their
         # requires_grad (the trained modules_to_save are the trainer's own)
         merge_adapters(self.model)
+        for layer in self.model.model.layers:  # merged weights: no adapter to add (lora_decode)
+            layer.decode_adapters = {}
         self.pairs = [(self.model.get_submodule(n), m) for n, m in adapted.items()]
         if packs:
             self.model.pack_projections()

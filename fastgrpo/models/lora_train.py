@@ -87,22 +87,41 @@ def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     cached = linears[0].__dict__.get(CACHE)
     if cached is not None and cached[0] == key:
         return cached[1]
-    rank = sum(m.lora_A.weight.shape[0] for m in adapted)
-    out = sum(m.out_features for m in linears)
-    with torch.no_grad():
-        a_cat = torch.cat([m.lora_A.weight.to(dtype) for m in adapted])
-        b_bd = torch.zeros(out, rank, dtype=dtype, device=device)
-        blocks, row, column = [], 0, 0
-        for m in linears:
-            if _adapted(m):
-                r = m.lora_A.weight.shape[0]
-                b_bd[row : row + m.out_features, column : column + r] = m.lora_B.weight * m.scaling
-                blocks.append((row, row + m.out_features, column, column + r, m.scaling))
-                column += r
-            row += m.out_features
-    made = Factors(a_cat, b_bd, tuple(blocks))
+    made = make_factors(linears, dtype, device)
     linears[0].__dict__[CACHE] = (key, made)
     return made
+
+
+def make_factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
+    """New `Factors` of the group's current adapters (not cached)."""
+    adapted = [m for m in linears if _adapted(m)]
+    rank = sum(m.lora_A.weight.shape[0] for m in adapted)
+    out = sum(m.out_features for m in linears)
+    in_features = linears[0].in_features
+    blocks, row, column = [], 0, 0
+    for m in linears:
+        if _adapted(m):
+            r = m.lora_A.weight.shape[0]
+            blocks.append((row, row + m.out_features, column, column + r, m.scaling))
+            column += r
+        row += m.out_features
+    made = Factors(
+        torch.empty(rank, in_features, dtype=dtype, device=device),
+        torch.zeros(out, rank, dtype=dtype, device=device),
+        tuple(blocks),
+    )
+    fill_factors(made, linears)
+    return made
+
+
+@torch.no_grad()
+def fill_factors(f: Factors, linears) -> None:
+    """Write the group's current adapters into `f`'s tensors, in place (same blocks: the group's
+    adapters are the ones `f` was made for)."""
+    adapted = [m for m in linears if _adapted(m)]
+    for m, (r0, r1, c0, c1, s) in zip(adapted, f.blocks):
+        f.a_cat[c0:c1].copy_(m.lora_A.weight)
+        f.b_bd[r0:r1, c0:c1].copy_(m.lora_B.weight * s)
 
 
 def _adapter_grads(grad_a_cat, grad_b_full, f: Factors, a_list, b_list):

@@ -48,6 +48,7 @@ from fastgrpo.kernels.layers.token_inputs import embed_and_angles
 from fastgrpo.kernels.support import triton
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
 from fastgrpo.models.lora import LoraLinear, project
+from fastgrpo.models.lora_decode import forward_packed_adapted
 from fastgrpo.models.lora_train import lora_silu_mul_linear
 from fastgrpo.models.model_config import (  # noqa: F401 (re-exported: the model's own config)
     SUPPORTED_MODEL_TYPES,
@@ -235,6 +236,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # LoRA adapters the engine adds to the packed GEMMs, by group (`lora_decode`); empty
+        # when it samples from merged weights or there is no LoRA
+        self.decode_adapters: dict = {}
 
     def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)  # (T, H)
@@ -281,6 +285,8 @@ class DecoderLayer(nn.Module):
         output may be `SplitSums` (see `forward_packed`), which every norm's add takes."""
         if self.is_packed():
             return self.forward_packed(x, residual, cos, sin, attend)
+        if self.decode_adapters:  # its factors are read on packed projections only
+            raise RuntimeError("the engine's LoRA adapters need intact packed projections")
         h, residual = self.input_layernorm.add_and_norm(x, residual)  # (T, H) each
         x = self.self_attn(h, cos, sin, attend, fused=True)  # (T, H)
         h, residual = self.post_attention_layernorm.add_and_norm(x, residual)
@@ -297,6 +303,8 @@ class DecoderLayer(nn.Module):
         `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue) and
         may return o_proj and down_proj as split-K parts (`SplitSums`) for the next norm to add
         up."""
+        if self.decode_adapters:
+            return forward_packed_adapted(self, x, residual, cos, sin, attend, self.decode_adapters)
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = add_rms_norm(x, residual, norm1.weight, norm1.eps)  # (T, H) each

@@ -5,7 +5,8 @@ one process with the native model:
 
 - weights: the policy's parameters, and a reference model's (beta > 0, full fine-tuning; a LoRA
   run's reference is its own base with the adapters off, which costs nothing). A LoRA run's engine
-  samples from merged copies of the adapted linears' weights (`lora.MergedWeights`).
+  samples from merged copies of the adapted linears' weights (`lora.MergedWeights`), unless
+  `lora.merge_for_rollout` is false (its factors, `lora_decode`, are too small to count).
 - optimizer: per trainable parameter, its gradient in its own dtype (autograd accumulates it over
   the micro-batches) and AdamW's two moments in fp32; for bf16/fp16 parameters the fp32 masters
   too (`precision.MasterWeights`), whose fp32 gradient buffer exists only while the optimizer
@@ -92,7 +93,7 @@ def _weights(model: nn.Module, config: Config) -> tuple[dict[str, int], int]:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     parts = {"weights": total}
-    if adapted:  # the engine's merged copies of the adapted weights
+    if adapted and config.lora.merge_for_rollout:  # the engine's merged copies
         parts["merged weights"] = sum(
             m.weight.numel() * m.weight.element_size() for m in adapted.values()
         )

@@ -26,6 +26,7 @@ from fastgrpo.models.lora import (
     load_adapters,
     read_adapter_settings,
 )
+from fastgrpo.models.lora_decode import DecodeAdapters
 from fastgrpo.rewards import RewardSet
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
 from fastgrpo.train.parallel import choose_parallel
@@ -56,9 +57,10 @@ class Trainer:
     reference_shards: object | None = None
     # fsdp jobs: the sharded model and the whole copy its engine samples from (distributed/fsdp.py)
     fully_sharded: object | None = None
-    # LoRA runs: the adapters' settings, and the merged weights the engine samples from
+    # LoRA runs: the adapters' settings, and what the engine samples from: merged weights, or
+    # the policy with its adapters added in the engine's GEMMs (lora.merge_for_rollout false)
     lora: LoraSettings | None = None
-    merged: MergedWeights | None = None
+    lora_rollout: MergedWeights | DecodeAdapters | None = None
     warned_short_batch: bool = False  # dynamic sampling said once that it ran out of rounds
     # set by the training loop: after each rollout, whether a stop signal abandons the step
     abandon_step: Callable[[], bool] | None = None
@@ -67,9 +69,10 @@ class Trainer:
     def rollout_model(self):
         """The model the engine samples from and evaluation scores: the policy itself, except
         under FSDP (its whole bf16 copy) and with LoRA (the adapters merged into a copy of the
-        adapted weights, refreshed here after they change)."""
-        if self.merged is not None:
-            return self.merged.current(self.optimizer.updates)
+        adapted weights, or the engine's copy of the factors, refreshed here after they
+        change)."""
+        if self.lora_rollout is not None:
+            return self.lora_rollout.current(self.optimizer.updates)
         return self.model if self.fully_sharded is None else self.fully_sharded.rollout_model
 
     @contextmanager
@@ -279,8 +282,12 @@ def build_trainer(
         from fastgrpo.distributed.frozen import ShardedFrozen
 
         reference_shards = ShardedFrozen(ref_model, world)
-    # the native engine reads merged weights; HF generate runs the adapted model itself
-    merged = MergedWeights(model) if lora is not None and native else None
+    # the native engine reads merged weights or adds the adapters itself; HF generate runs the
+    # adapted model as it is
+    lora_rollout = None
+    if lora is not None and native:
+        merge = config.lora.merge_for_rollout
+        lora_rollout = MergedWeights(model) if merge else DecodeAdapters(model)
     return Trainer(
         model,
         ref_model,
@@ -297,7 +304,7 @@ def build_trainer(
         reference_shards,
         fully_sharded,
         lora,
-        merged,
+        lora_rollout,
     )
 
 

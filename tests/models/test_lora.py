@@ -453,3 +453,47 @@ def test_the_cached_factors_follow_a_fused_adamw_step_which_moves_no_version_cou
     )
     assert not torch.allclose(expected, before)
     torch.testing.assert_close(lora_linear(x, [layer]), expected)
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("llama3-untied-bias", ["all-linear"]), ("qwen3-qknorm-odd-head-dim", ["q_proj", "v_proj"])],
+)
+def test_the_engines_own_adapters_give_the_adapted_logits_and_follow_updates(
+    family, targets, monkeypatch
+):
+    """`lora.merge_for_rollout: false`: the engine's forward (the fused inference path, packed
+    GEMMs; interpreted here) adds each group's adapters to its GEMM, equal to the adapted model's
+    logits; its factors change in place when the version does (CUDA graphs read them)."""
+    from fastgrpo.models import transformer
+    from fastgrpo.models.lora_decode import DecodeAdapters
+
+    monkeypatch.setattr(transformer, "use_fused_ops", lambda x, asked: asked)
+    hf_config = FAMILIES[family]()
+    _, ours = build_pair(hf_config)
+    ours.pack_projections()
+    add_adapters(ours, LoraSettings(rank=4, alpha=8.0, target_modules=targets))
+    randomise_adapters(ours)
+    rollout = DecodeAdapters(ours)
+    engine = rollout.current(0)
+    assert engine is ours  # no copy of any weight
+    tables = [layer.decode_adapters for layer in ours.model.layers]
+    want_groups = {"qkv", "o_proj", "gate_up", "down_proj"} if targets == ["all-linear"] else {"qkv"}
+    assert all(t.keys() == want_groups for t in tables)
+    ids, positions, cu = packed_batch(hf_config.vocab_size)
+    attend = ours.packed_attention(cu, 9)
+
+    def logits(fused: bool):
+        with torch.no_grad():
+            return ours.logits(ours(torch.cat(ids), positions, attend, fused_ops=fused))
+
+    with adapters_off(ours):
+        base = logits(False)
+    torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=5e-5)
+    assert (logits(True) - base).abs().max() > 1e-2  # the adapters do change the logits
+    pointers = [t.data_ptr() for _, f in rollout.groups for t in (f.a_cat, f.b_bd)]
+    randomise_adapters(ours, seed=9)
+    assert rollout.current(0) is ours and (logits(True) - logits(False)).abs().max() > 1e-3
+    rollout.current(1)  # a new version: the factors written again, in place
+    torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=5e-5)
+    assert [t.data_ptr() for _, f in rollout.groups for t in (f.a_cat, f.b_bd)] == pointers

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fastgrpo.models.lora import LoraSettings, MergedWeights, add_adapters, merge_adapters
-from fastgrpo.rollout.native_generate import engine_for
+from fastgrpo.models.lora_decode import DecodeAdapters
+from fastgrpo.rollout.native_generate import engine_for, release_engine
 from fastgrpo.rollout.sampling import SamplingParams
 from tests.models.test_lora import randomise_adapters
 from tests.models.test_transformer import FAMILIES, build_pair, packed_batch
@@ -56,6 +57,50 @@ def test_engine_samples_after_the_adapters_change_are_a_fresh_merged_models():
     fresh.pack_projections()
     assert torch.equal(after, sample(fresh, never))
     assert not torch.equal(after, first)
+
+
+def test_engine_samples_with_its_own_adapters_follow_them_through_its_cuda_graphs():
+    """lora.merge_for_rollout false: the engine's graphs, captured on the first factors, give
+    after new adapter values and a refresh the samples of an engine made afresh; and its log-probs
+    of its samples are the trainer's (adapters in bf16 GEMMs) as closely as a merged engine's."""
+    hf_config, model = adapted_cuda_model()
+    never = hf_config.vocab_size - 1
+    rollout = DecodeAdapters(model)
+    first = sample(rollout.current(0), never)
+    randomise_adapters(model, seed=11)
+    after = sample(rollout.current(1), never)
+    release_engine(model)
+    assert torch.equal(after, sample(model, never))
+    assert not torch.equal(after, first)
+    gaps = {}
+    for name, engine_model in (("adapters", model), ("merged", MergedWeights(model).current(0))):
+        engine = engine_for(engine_model, stop_ids=[never], pad_id=0)
+        out = engine.generate(
+            PROMPTS, num_samples=4, max_new_tokens=16, params=SamplingParams(1.0), seed=3
+        )
+        gaps[name] = trainer_gap(model, out)
+    assert gaps["adapters"] <= max(gaps["merged"], 0.02), gaps
+
+
+def trainer_gap(model, out) -> float:
+    """Largest |engine - trainer| log-prob over the sampled tokens, the trainer scoring each
+    prompt + completion on its CUDA path (`forward_train`, no gradient)."""
+    worst = 0.0
+    for row in range(out.tokens.shape[0]):
+        prompt = PROMPTS[row // 4]
+        completion = out.tokens[row, : int(out.lengths[row])].tolist()
+        ids = torch.tensor(prompt + completion, device="cuda")
+        cu = torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda")
+        with torch.no_grad():
+            hidden = model(
+                ids, torch.arange(len(ids), device="cuda"), model.packed_attention(cu, len(ids))
+            )
+            logp = model.logits(hidden).float().log_softmax(-1)
+        n = len(prompt)
+        scored = logp[n - 1 : -1].gather(1, ids[n:, None])[:, 0]
+        engine_logp = out.logp[row, : len(completion)].float()
+        worst = max(worst, float((scored - engine_logp).abs().max()))
+    return worst
 
 
 def test_the_cuda_training_path_gives_the_adapters_gradients_within_twice_eager_bf16s_error():
