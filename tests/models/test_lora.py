@@ -478,7 +478,9 @@ def test_the_engines_own_adapters_give_the_adapted_logits_and_follow_updates(
     engine = rollout.current(0)
     assert engine is ours  # no copy of any weight
     tables = [layer.decode_adapters for layer in ours.model.layers]
-    want_groups = {"qkv", "o_proj", "gate_up", "down_proj"} if targets == ["all-linear"] else {"qkv"}
+    want_groups = (
+        {"qkv", "o_proj", "gate_up", "down_proj"} if targets == ["all-linear"] else {"qkv"}
+    )
     assert all(t.keys() == want_groups for t in tables)
     ids, positions, cu = packed_batch(hf_config.vocab_size)
     attend = ours.packed_attention(cu, 9)
