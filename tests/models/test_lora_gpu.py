@@ -66,6 +66,7 @@ def test_engine_samples_with_its_own_adapters_follow_them_through_its_cuda_graph
     hf_config, model = adapted_cuda_model()
     never = hf_config.vocab_size - 1
     rollout = DecodeAdapters(model)
+    merged = MergedWeights(model)  # made before any engine, as the trainer makes it
     first = sample(rollout.current(0), never)
     randomise_adapters(model, seed=11)
     after = sample(rollout.current(1), never)
@@ -73,7 +74,7 @@ def test_engine_samples_with_its_own_adapters_follow_them_through_its_cuda_graph
     assert torch.equal(after, sample(model, never))
     assert not torch.equal(after, first)
     gaps = {}
-    for name, engine_model in (("adapters", model), ("merged", MergedWeights(model).current(0))):
+    for name, engine_model in (("adapters", model), ("merged", merged.current(1))):
         engine = engine_for(engine_model, stop_ids=[never], pad_id=0)
         out = engine.generate(
             PROMPTS, num_samples=4, max_new_tokens=16, params=SamplingParams(1.0), seed=3
