@@ -93,10 +93,11 @@ def _weights(model: nn.Module, config: Config) -> tuple[dict[str, int], int]:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     parts = {"weights": total}
-    if adapted and config.lora.merge_for_rollout:  # the engine's merged copies
-        parts["merged weights"] = sum(
-            m.weight.numel() * m.weight.element_size() for m in adapted.values()
-        )
+    if adapted:  # the reference is the base: only the engine's merged copies, if it keeps them
+        if config.lora.merge_for_rollout:
+            parts["merged weights"] = sum(
+                m.weight.numel() * m.weight.element_size() for m in adapted.values()
+            )
     elif config.algo.beta:
         parts["reference"] = total  # a second model of the same shape and dtype
     masters = config.train.master_weights != "off"

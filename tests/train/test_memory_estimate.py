@@ -70,6 +70,10 @@ def test_a_lora_run_counts_fp32_adapters_merged_copies_and_no_reference():
     linear = sum(m.weight.numel() for m in model.modules() if hasattr(m, "lora_A"))
     assert estimate.parts["merged weights"] == 2 * linear
     assert "reference" not in estimate.parts
+    config.lora.merge_for_rollout = False  # the engine adds the adapters: neither copy is kept
+    unmerged = estimate_memory(config, model, prompt_len=10)
+    assert "merged weights" not in unmerged.parts and "reference" not in unmerged.parts
+    assert unmerged.peak == estimate.peak - 2 * linear
 
 
 def test_the_kv_cache_part_is_the_engines_wave_and_splits_into_waves_when_short_of_room():
