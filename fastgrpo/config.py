@@ -140,9 +140,9 @@ class LoraConfig:
     use_rslora: bool = False  # scale by alpha / sqrt(rank) instead (rank-stabilised LoRA)
     modules_to_save: list[str] = field(default_factory=list)  # trained whole: embed_tokens, lm_head
     adapter: str | None = None  # a peft LoRA adapter folder to start from (its settings apply)
-    # true: the engine samples from merged bf16 copies of the adapted weights, refreshed after
-    # each optimizer step; false: it adds the adapters in its own GEMMs and keeps no copies
-    merge_for_rollout: bool = True
+    # false: the engine adds the adapters in its own GEMMs instead of sampling from merged bf16
+    # copies of the adapted weights (saves their memory, slower rollouts)
+    merge_for_rollout: bool = True  # the engine samples from merged copies (false: no copies)
 
 
 @dataclass

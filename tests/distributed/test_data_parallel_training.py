@@ -329,7 +329,7 @@ def test_a_stop_signal_to_the_launcher_saves_every_ranks_shards_and_the_run_resu
     out, err = launcher.communicate(timeout=150)
     assert launcher.returncode != 0, out[-2000:]
     saved = latest_checkpoint(run)
-    assert saved is not None, err[-3000:]
+    assert saved is not None, out[-1500:] + err[-3000:]
     assert len(list((saved / SHARDS_FOLDER).glob("*.distcp"))) == 2
     assert "interrupted: saved" in out
     step = int(saved.name.split("_")[-1])
