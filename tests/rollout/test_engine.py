@@ -617,3 +617,18 @@ def test_q_k_v_as_split_k_parts_keep_the_engines_log_probs_as_close_to_the_train
         want = trainer_logp(exact, prompts, out, 4, 1.0)
         errors[name] = (out.logp.double() - want).abs().mean().item()
     assert errors["parts"] <= 1.5 * errors["whole"] + 1e-3, errors
+
+
+def test_the_engines_budget_counts_what_pytorch_holds_unused_as_available(monkeypatch):
+    """Memory the caching allocator keeps for reuse is the engine's to take (the driver calls it
+    used): a GPU with 10 GiB free and 6 GiB cached but unused gives 70% of 16 GiB."""
+    from fastgrpo.rollout import engine as engine_module
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 14 * gib)
+    assert engine_module.available_bytes("cuda") == 16 * gib
+    engine = RolloutEngine.__new__(RolloutEngine)
+    engine.memory_bytes, engine.device = None, torch.device("cuda")
+    assert engine._budget() == int(16 * gib * engine_module.FREE_MEMORY_SHARE)
