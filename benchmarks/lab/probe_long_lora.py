@@ -73,6 +73,7 @@ def probe(args, merge: bool, device, dtype) -> dict:
     estimate = estimate_memory(config, trainer.model, args.prompt_len, device_bytes=total or None)
     # 1. the step's rollout buffers, allocated and kept: a rollout cut short at its first look
     synchronize(device)
+    before = torch.cuda.memory_allocated(device) if total else 0
     start = time.perf_counter()
     cut_rollouts_short(True)
     try:
@@ -81,7 +82,7 @@ def probe(args, merge: bool, device, dtype) -> dict:
         cut_rollouts_short(False)
     synchronize(device)
     allocate_s = time.perf_counter() - start
-    engine_bytes = (torch.cuda.memory_allocated(device) - baseline) if total else 0
+    engine_bytes = (torch.cuda.memory_allocated(device) - before) if total else 0
     # 2. a step on full-length completions, the buffers still held
     config.rollout.num_generations = args.rows
     rollout = full_length_rollout(
@@ -97,7 +98,7 @@ def probe(args, merge: bool, device, dtype) -> dict:
         "peak_gib": None if peak is None else peak - baseline / 2**30,
         "predicted_peak_gib": estimate.peak / 2**30,
         "predicted_parts_gib": {k: v / 2**30 for k, v in estimate.parts.items()},
-        "engine_and_weights_gib": engine_bytes / 2**30,
+        "engine_buffers_gib": engine_bytes / 2**30,  # measured: KV cache, decode state, graphs
         "rollout_waves": estimate.waves,
         "allocate_seconds": allocate_s,
         "rows_trained": args.rows,
@@ -133,12 +134,16 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     merges = {"merged": [True], "adapters": [False], "both": [True, False]}[args.lora_rollout]
     rows = [probe(args, merge, device, dtype) for merge in merges]
-    print(f"{'engine':<9} {'peak GiB':>9} {'predicted':>9} {'waves':>6} {'s/completion':>13}")
+    print(
+        f"{'engine':<9} {'peak GiB':>9} {'predicted':>9} {'KV GiB':>7} {'predicted':>9} "
+        f"{'waves':>6} {'s/completion':>13}"
+    )
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         per = r["reference_s_per_completion"] + r["update_s_per_completion"]
         print(
             f"{r['rollout']:<9} {peak:>9} {r['predicted_peak_gib']:>9.2f} "
+            f"{r['engine_buffers_gib']:>7.2f} {r['predicted_parts_gib']['kv cache']:>9.2f} "
             f"{r['rollout_waves']:>6} {per:>13.2f}"
         )
     workload = {"shape": args.shape, "prompts": 8, "samples": 8, "prompt_len": args.prompt_len}
