@@ -103,3 +103,15 @@ def test_the_longest_completion_is_the_edge_of_what_fits():
     # gradient checkpointing keeps less, so longer completions fit
     config.model.gradient_checkpointing = True
     assert longest_completion(config, model, 10, room, step=16) > longest
+
+
+def test_a_prediction_near_the_gpus_size_suggests_expandable_segments(monkeypatch):
+    estimate = estimate_memory(small_config(), bf16_model(), prompt_len=10)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    near = "\n".join(estimate.lines(device_bytes=int(estimate.peak / 0.9)))
+    roomy = "\n".join(estimate.lines(device_bytes=2 * estimate.peak))
+    over = "\n".join(estimate.lines(device_bytes=estimate.peak // 2))
+    assert "expandable_segments:True" in near and "fits" in near
+    assert "expandable_segments" not in roomy and "expandable_segments" not in over
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable_segments" not in "\n".join(estimate.lines(int(estimate.peak / 0.9)))
