@@ -37,6 +37,7 @@ from benchmarks.bench_step import (
     synthetic_tokenizer,
 )
 from fastgrpo.config import TrainConfig
+from fastgrpo.distributed.world import end_rank_process
 from fastgrpo.train.step import grpo_step
 
 
@@ -76,11 +77,12 @@ def worker(args) -> None:
             for p in (*PHASES, "weight_gather")
             if f"time/{p}" in timed[0]
         },
-        "parallel": trainer.parallel,
+        "parallel": trainer.parallel + (", engine copy freed" if args.free_engine_copy else ""),
     }
     if world.is_main:
         print("ROW " + json.dumps(row), flush=True)
     world.leave()
+    end_rank_process(0)  # as a training rank ends: gloo's threads can abort the teardown
 
 
 WORKER_OPTIONS = ("shape", "prompts_per_gpu", "prompts", "samples", "prompt_len",
@@ -99,6 +101,7 @@ def run_job(args, processes: int) -> dict:
     """One torchrun job of `processes` workers; rank 0's row."""
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in WORKER_OPTIONS]
     argv += ["--strong"] * args.strong + ["--gradient-checkpointing"] * args.gradient_checkpointing
+    argv += ["--free-engine-copy"] * args.free_engine_copy
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={processes}", "-m", "benchmarks.bench_scaling", "--worker", *argv]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)  # join_torchrun: no NVLS
@@ -121,6 +124,11 @@ def main() -> None:
         "--gradient-checkpointing",
         action="store_true",
         help="recompute each layer in the backward pass (the 7B shape needs it)",
+    )
+    parser.add_argument(
+        "--free-engine-copy",
+        action="store_true",
+        help="train.fsdp_free_engine_copy: with fsdp, the update uses the engine copy's memory",
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
     parser.add_argument("--strong", action="store_true", help="one global batch split N ways")

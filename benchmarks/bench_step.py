@@ -135,6 +135,7 @@ def step_config(args) -> Config:
     config.model.gradient_checkpointing = getattr(args, "gradient_checkpointing", False)
     config.train.master_weights = getattr(args, "master_weights", "auto")
     config.train.parallel = getattr(args, "parallel", "auto")  # bench_scaling.py's jobs
+    config.train.fsdp_free_engine_copy = getattr(args, "free_engine_copy", False)
     share = getattr(args, "zero_variance", 0.0)
     config.rewards = [{"function": tied_reward(share) if share else distinct_reward}]
     config.algo.dynamic_sampling = getattr(args, "dynamic_sampling", False)

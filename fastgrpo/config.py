@@ -120,6 +120,10 @@ class TrainConfig:
     # engines sample from a whole bf16 copy); auto: sharded (measured faster and smaller than
     # replicated), fsdp where sharded state would take more than half of a GPU
     parallel: str = "auto"  # auto | replicated | sharded (optimizer state) | fsdp (weights too)
+    # with fsdp: free the engine's whole bf16 copy of the weights from the end of each rollout to
+    # the next weight gather, so the update can use its memory (the engine then captures its
+    # CUDA graphs again every rollout)
+    fsdp_free_engine_copy: bool = False  # fsdp: the update uses the engine copy's memory
     # a step whose loss or gradient norm is NaN/inf is skipped; this many in a row stop the run
     max_nonfinite_steps: int = 3  # stop after this many skipped (NaN/inf) steps in a row
     # a reward failing (raising, or giving NaN/None) on more than this fraction of a step's

@@ -10,6 +10,11 @@ plus, in the update, one layer's whole bf16 weights and gradients at a time. The
 FSDP shards are the master weights: the trainer computes with their bf16 cast (FSDP's
 MixedPrecisionPolicy, rounded to nearest) and reduces gradients in fp32.
 
+With `train.fsdp_free_engine_copy` the copy's storage is freed from the end of each rollout
+(after the step's rollouts and the abandon check) until one gather at the end of the step, so the
+update's activations can use its 2 bytes per parameter; the optimizer steps in between skip their
+gathers. The copy comes back at other addresses: the engine captures its CUDA graphs again.
+
 Every rank must run the same sequence of FSDP forwards and backwards (each layer all-gathers its
 weights in a forward and reduce-scatters its gradients in a backward), so a rank with fewer
 micro-batches than the busiest rank runs idle passes (`idle_pass`; counted at planning time,
@@ -67,6 +72,12 @@ class FullySharded:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.units = list(model.model.layers) + [model]
         self._targets = self._engine_tensors()
+        storages = {}  # the engine copy's storages (a packed group's parameters share one)
+        for p in self.rollout_model.parameters():
+            storage = p.untyped_storage()
+            storages.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+        self._storages = list(storages.values())
+        self.released = False
 
     def _root_modules(self) -> list[torch.nn.Module]:
         m = self.model
@@ -88,10 +99,35 @@ class FullySharded:
             named = [(n, p) for n, p in named if not n.startswith("model.layers.")]
         return named
 
+    def release_engine_weights(self) -> None:
+        """Free the engine copy's memory until the next `gather_weights` (`train.fsdp_free_engine_copy`):
+        its 2 bytes per parameter are the update's to use. The tensors keep their shapes; their
+        storage comes back at other addresses, so the engine captures its graphs again."""
+        if not self.released:
+            for storage, _ in self._storages:
+                storage.resize_(0)
+            self.released = True
+
+    def restore_engine_weights(self) -> None:
+        """The engine copy whole again if it was released: one gather at the end of a step,
+        whatever the optimizer steps it took (their gathers wait for this). A collective while
+        released: every rank calls it."""
+        if self.released:
+            self.gather_weights()
+
     @torch.no_grad()
     def gather_weights(self) -> None:
         """Every unit's weights, gathered whole in the compute dtype (one all-gather a unit),
-        into the engine's copy (in place: its CUDA graphs read the same addresses)."""
+        into the engine's copy (in place: its CUDA graphs read the same addresses, unless the copy
+        was released since, whose storage is allocated again first)."""
+        if self.released:
+            for storage, nbytes in self._storages:
+                storage.resize_(nbytes)
+            for layer in self.rollout_model.model.layers:
+                for packed in (layer.self_attn.qkv, layer.mlp.gate_up):
+                    if packed is not None:
+                        packed.readdress()
+            self.released = False
         for unit, targets in zip(self.units, self._targets):
             unit.unshard()
             torch._foreach_copy_(targets, [p.detach() for _, p in self._own(unit)])

@@ -45,6 +45,11 @@ class PackedLinears:
     def intact(self) -> bool:
         return self._pointers() == self.pointers
 
+    def readdress(self) -> None:
+        """The packed storage was allocated again in place (resized: its parameters still view
+        it, at new addresses): take those as intact."""
+        self.pointers = self._pointers()
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 

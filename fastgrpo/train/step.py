@@ -68,6 +68,9 @@ def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=No
                 sampling_stats["dynamic_sampling/rounds"],
             )
     examples, rollout, scores = sampled.examples, sampled.rollout, sampled.scores
+    fully_sharded = trainer.fully_sharded
+    if fully_sharded is not None and t.fsdp_free_engine_copy:  # gathered again after the update
+        fully_sharded.release_engine_weights()
     with timer("reward"):
         reward = to_device(torch.tensor(scores.result.total, dtype=torch.float32), model.device)
         batch_std = world.batch_std(reward) if world is not None else None  # all ranks' rows
@@ -125,6 +128,9 @@ def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=No
         max_grad_norm=t.max_grad_norm,
         timer=timer,
     )
+    if fully_sharded is not None and fully_sharded.released:  # the engine's copy, whole again
+        with timer("weight_gather"):
+            fully_sharded.restore_engine_weights()
     record = step_record(rollout, reward, scores, update, r.num_generations)
     record.update(sampling_stats)
     record.update(mismatch)

@@ -53,12 +53,16 @@ def zero(prompts, completions, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", PARALLEL)
+@pytest.mark.parametrize("parallel", [*PARALLEL, "fsdp, engine copy freed"])
 def test_two_processes_train_the_weights_one_process_trains(tiny_model_dir, tmp_path, parallel):
+    """... and with the engine's copy freed during each update (train.fsdp_free_engine_copy: two
+    mini-batches a step, so an optimizer step runs while the copy is away), the same too."""
     one, two = tmp_path / "one", tmp_path / "two"
     extra = {**EXTRA, "rewards": f"['{write_test_rewards(tmp_path)}:digit_share']"}
     extra |= {"eval.before": True, "eval.after": True, "eval.num_problems": 5}  # split 3 + 2
     run_training(None, overrides=tiny_overrides(tiny_model_dir, one, steps=2, **extra))
+    if parallel == "fsdp, engine copy freed":
+        parallel, extra["train.fsdp_free_engine_copy"] = "fsdp", True
     extra["train.parallel"] = parallel
     (tmp_path / "at_exit.py").write_text(AT_EXIT_MARKER)  # a reward of 0 that marks the exit
     extra["rewards"] = extra["rewards"][:-1] + f", '{tmp_path / 'at_exit.py'}:zero']"

@@ -33,7 +33,7 @@ def _sample(model, seed: int) -> torch.Tensor:
     return out.tokens.cpu()
 
 
-def _rank_main(rank: int, size: int, store: str, out: str) -> None:
+def _rank_main(rank: int, size: int, store: str, out: str, released: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fastgrpo.distributed.fsdp import FullySharded
@@ -49,12 +49,14 @@ def _rank_main(rank: int, size: int, store: str, out: str) -> None:
         sharded = FullySharded(policy, World(rank, size))
         engine_model = sharded.rollout_model
         before = _sample(engine_model, seed=7)  # the engine captures its graphs on these weights
+        if released:  # train.fsdp_free_engine_copy: the copy comes back at other addresses
+            sharded.release_engine_weights()
         with torch.no_grad():  # a step's worth of change, different on each rank's shard
             g = torch.Generator(device="cuda").manual_seed(100 + rank)
             for p in sharded.params:
                 local = p.to_local()
                 local.add_(0.05 * torch.randn(local.shape, device="cuda", generator=g))
-        sharded.gather_weights()
+        sharded.restore_engine_weights() if released else sharded.gather_weights()
         after = _sample(engine_model, seed=7)
         whole = get_model_state_dict(
             policy, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
@@ -80,11 +82,17 @@ def _rank_main(rank: int, size: int, store: str, out: str) -> None:
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
-def test_the_engine_samples_after_an_fsdp_weight_gather_what_an_unsharded_engine_samples():
+@pytest.mark.parametrize("released", [False, True], ids=["kept", "released"])
+def test_the_engine_samples_after_an_fsdp_weight_gather_what_an_unsharded_engine_samples(released):
+    """Also when the copy was released during the update (train.fsdp_free_engine_copy) and
+    gathered into new memory: the engine captures its graphs again on the new addresses."""
     folder = tempfile.mkdtemp()
     out = os.path.join(folder, "result.pt")
     mp.start_processes(
-        _rank_main, args=(2, os.path.join(folder, "store"), out), nprocs=2, start_method="spawn"
+        _rank_main,
+        args=(2, os.path.join(folder, "store"), out, released),
+        nprocs=2,
+        start_method="spawn",
     )
     ranks = torch.load(out)
     for result in ranks:
