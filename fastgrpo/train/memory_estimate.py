@@ -81,6 +81,12 @@ class MemoryEstimate:
             room = device_bytes / GIB
             verdict = "fits" if self.peak <= device_bytes else "does NOT fit"
             out.append(f"  {verdict} {gpu} {room:.0f} GiB")
+            merged = self.parts.get("merged weights", 0)
+            if self.peak > device_bytes and merged:
+                out.append(
+                    f"  lora.merge_for_rollout=false keeps no merged copies: {merged / GIB:.1f} GiB "
+                    "less, for slower rollouts"
+                )
             close = NEAR_FULL * device_bytes < self.peak <= device_bytes
             if close and "expandable_segments:True" not in os.environ.get(ALLOC_CONF, ""):
                 out.append(

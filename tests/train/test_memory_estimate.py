@@ -70,6 +70,12 @@ def test_a_lora_run_counts_fp32_adapters_merged_copies_and_no_reference():
     linear = sum(m.weight.numel() for m in model.modules() if hasattr(m, "lora_A"))
     assert estimate.parts["merged weights"] == 2 * linear
     assert "reference" not in estimate.parts
+    too_small = "\n".join(estimate.lines(device_bytes=estimate.peak - 1))
+    assert (
+        f"lora.merge_for_rollout=false keeps no merged copies: {2 * linear / 2**30:.1f}"
+        in too_small
+    )
+    assert "merge_for_rollout" not in "\n".join(estimate.lines(device_bytes=estimate.peak))
     config.lora.merge_for_rollout = False  # the engine adds the adapters: neither copy is kept
     unmerged = estimate_memory(config, model, prompt_len=10)
     assert "merged weights" not in unmerged.parts and "reference" not in unmerged.parts
