@@ -27,7 +27,7 @@ from torch import nn
 from fastgrpo.kernels.decode import decode_linear
 from fastgrpo.kernels.layers.rms_norm import add_rms_norm
 from fastgrpo.kernels.layers.swiglu import silu_mul
-from fastgrpo.models.lora_train import Factors, _adapted, fill_factors, make_factors
+from fastgrpo.models.lora_train import Factors, fill_factors, has_adapter, make_factors
 
 
 def layer_groups(layer: nn.Module) -> dict[str, list[nn.Linear]]:
@@ -58,7 +58,7 @@ class DecodeAdapters:
                 continue
             table = {}
             for name, linears in layer_groups(layer).items():
-                if any(_adapted(m) for m in linears):
+                if any(has_adapter(m) for m in linears):
                     table[name] = make_factors(linears, weight.dtype, weight.device)
                     self.groups.append((linears, table[name]))
             layer.decode_adapters = table

@@ -34,17 +34,18 @@ from fastgrpo.kernels.layers.swiglu import (
 )
 
 
-def _adapted(m) -> bool:
+def has_adapter(m) -> bool:
+    """Whether linear `m` is a LoRA linear with its adapter switched on."""
     return getattr(m, "enabled", False) and hasattr(m, "lora_A")
 
 
 def takes(linears) -> bool:
     """Whether the in-GEMM path serves these linears: some adapter enabled, no dropout while
     training, and frozen base weights (and biases)."""
-    if not any(_adapted(m) for m in linears):
+    if not any(has_adapter(m) for m in linears):
         return False
     for m in linears:
-        if _adapted(m) and m.dropout and m.training:
+        if has_adapter(m) and m.dropout and m.training:
             return False
         if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
             return False
@@ -79,7 +80,7 @@ def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     remade after an optimizer step (`adapters_stepped`) or any other in-place change of an
     adapter (its version counter), so the casts run once per step instead of in every forward
     and backward."""
-    adapted = [m for m in linears if _adapted(m)]
+    adapted = [m for m in linears if has_adapter(m)]
     key = (dtype, device, _STEPS[0]) + tuple(
         (id(m.lora_A.weight), m.lora_A.weight._version, m.lora_B.weight._version, m.scaling)
         for m in adapted
@@ -94,13 +95,13 @@ def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
 
 def make_factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     """New `Factors` of the group's current adapters (not cached)."""
-    adapted = [m for m in linears if _adapted(m)]
+    adapted = [m for m in linears if has_adapter(m)]
     rank = sum(m.lora_A.weight.shape[0] for m in adapted)
     out = sum(m.out_features for m in linears)
     in_features = linears[0].in_features
     blocks, row, column = [], 0, 0
     for m in linears:
-        if _adapted(m):
+        if has_adapter(m):
             r = m.lora_A.weight.shape[0]
             blocks.append((row, row + m.out_features, column, column + r, m.scaling))
             column += r
@@ -118,7 +119,7 @@ def make_factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
 def fill_factors(f: Factors, linears) -> None:
     """Write the group's current adapters into `f`'s tensors, in place (same blocks: the group's
     adapters are the ones `f` was made for)."""
-    adapted = [m for m in linears if _adapted(m)]
+    adapted = [m for m in linears if has_adapter(m)]
     for m, (r0, r1, c0, c1, s) in zip(adapted, f.blocks):
         f.a_cat[c0:c1].copy_(m.lora_A.weight)
         f.b_bd[r0:r1, c0:c1].copy_(m.lora_B.weight * s)
@@ -175,7 +176,7 @@ def lora_linear(x: torch.Tensor, linears, packed=None) -> torch.Tensor:
         weight = torch.cat([m.weight for m in linears])
         biases = [m.bias for m in linears if m.bias is not None]
         bias = torch.cat(biases) if biases else None
-    adapted = [m for m in linears if _adapted(m)]
+    adapted = [m for m in linears if has_adapter(m)]
     return LowRankLinear.apply(
         x,
         weight,
