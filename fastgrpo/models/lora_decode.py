@@ -77,10 +77,6 @@ class DecodeAdapters:
             self.version = version
         return self.model
 
-    def nbytes(self) -> int:
-        tensors = [t for _, f in self.groups for t in (f.a_cat, f.b_bd)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 def _adapted_linear(x: torch.Tensor, weight, bias, f: Factors) -> torch.Tensor:
     """x W^T + b + (x a_cat^T) b_bd^T: the base GEMM (`decode_linear.linear`), then the adapters'
