@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,11 @@ from fastgrpo.train.trainer import (
 )
 
 log = logging.getLogger("fastgrpo.train")
+
+SLOW_SAVE_S = 20.0
+"""A checkpoint that takes longer is said once: torchrun kills its ranks 30 s after passing on a
+stop signal (many schedulers give SIGTERM a short grace too), and the save after a stop may not
+finish in time; the previous checkpoint then stays."""
 
 
 @dataclass
@@ -245,7 +251,11 @@ def _train(
     else:
         trainer.abandon_step = lambda: stop.requested
 
+    slow_save_said = False
+
     def save(step: int) -> None:
+        nonlocal slow_save_said
+        start = time.perf_counter()
         optimizer_state = optimizer.state_dict()
         # a sharded job's ranks each write their optimizer shards into rank 0's folder
         shards = optimizer.save_shards if optimizer.writes_shards else None
@@ -272,10 +282,20 @@ def _train(
             keep=config.run.keep_checkpoints,
             write_shards=shards,
         )
+        seconds = time.perf_counter() - start
         metrics.write(
-            f"checkpoint: saved {where} ({checkpoint_size(where)}; the newest "
+            f"checkpoint: saved {where} ({checkpoint_size(where)} in {seconds:.1f} s; the newest "
             f"run.keep_checkpoints={config.run.keep_checkpoints} are kept)"
         )
+        if seconds > SLOW_SAVE_S and not slow_save_said:
+            slow_save_said = True
+            log.warning(
+                "a checkpoint took %.0f s: after a stop signal (Ctrl-C, SIGTERM) torchrun kills the "
+                "ranks 30 s later, so that save may not finish; the previous checkpoint then stays "
+                "(run.save_every=%d sets how far back that is)",
+                seconds,
+                config.run.save_every,
+            )
         if stop.requested:
             metrics.write(
                 f"interrupted: saved {where}; continue with `fastgrpo train --resume {run_dir}`"
