@@ -69,9 +69,10 @@ def test_lines_written_under_the_bar_appear_whole_and_in_order_above_it(tmp_path
     assert "checkpoint: saved" in shown_before_the_end
 
 
-def test_each_checkpoint_line_states_its_size(tiny_model_dir, tmp_path, capsys):
+def test_each_checkpoint_line_states_its_size_and_time(tiny_model_dir, tmp_path, capsys):
     overrides = tiny_overrides(tiny_model_dir, tmp_path / "run", steps=2, **{"run.save_every": 1})
     run_training(None, overrides=overrides)
     lines = [line for line in capsys.readouterr().out.splitlines() if "checkpoint:" in line]
     assert len(lines) == 2
-    assert "step_000001 (" in lines[0] and " MB; the newest run.keep_checkpoints=2" in lines[0]
+    assert "step_000001 (" in lines[0] and " MB in " in lines[0]
+    assert " s; the newest run.keep_checkpoints=2" in lines[0]

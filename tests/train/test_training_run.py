@@ -503,11 +503,9 @@ def test_rewards_receive_each_completions_token_count_and_the_limit(
     assert sum(lengths) / 8 == pytest.approx(result.history[0]["completion/mean_length"])
 
 
-def test_a_slow_checkpoint_is_said_once_with_how_long_saves_take(
-    tiny_model_dir, tmp_path, monkeypatch, caplog, capsys
-):
-    """A save slower than SLOW_SAVE_S warns (once) that a stop signal's save may be cut short;
-    every save's line says how long it took."""
+def test_a_slow_checkpoint_is_said_once(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A save slower than SLOW_SAVE_S warns (once, of two saves) that a stop signal's save may
+    be cut short."""
     from fastgrpo.train import loop
 
     monkeypatch.setattr(loop, "SLOW_SAVE_S", -1.0)  # every save counts as slow here
@@ -517,5 +515,3 @@ def test_a_slow_checkpoint_is_said_once_with_how_long_saves_take(
         run_training(None, overrides=overrides)
     said = [r.getMessage() for r in caplog.records if "a checkpoint took" in r.getMessage()]
     assert len(said) == 1 and "torchrun kills the ranks 30 s later" in said[0]
-    saves = [line for line in capsys.readouterr().out.splitlines() if "checkpoint: saved" in line]
-    assert len(saves) == 2 and all(" s; the newest" in line for line in saves)
