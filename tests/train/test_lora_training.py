@@ -30,19 +30,22 @@ def adapters(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(latest_checkpoint(run_dir) / "model" / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("backend", ["native", "native, adapters in the engine", "hf"])
 def test_a_lora_run_trains_only_the_adapters_and_loads_no_reference_model(
     tiny_model_dir, tmp_path, monkeypatch, backend
 ):
-    """On the native model (the engine samples merged weights) and through transformers (HF
-    generate runs the adapted model)."""
+    """On the native model (the engine samples merged weights, or the adapted model itself with
+    lora.merge_for_rollout false) and through transformers (HF generate runs the adapted model)."""
+    extra = {"model.backend": backend.split(",")[0]}
+    if backend.endswith("engine"):
+        extra["lora.merge_for_rollout"] = False
     loads = []
     real = loop_module.load_configured_model
     monkeypatch.setattr(
         loop_module, "load_configured_model", lambda *a, **k: loads.append(a) or real(*a, **k)
     )
     run = tmp_path / "run"
-    over = lora_overrides(tiny_model_dir, run, tmp_path, **{"model.backend": backend})
+    over = lora_overrides(tiny_model_dir, run, tmp_path, **extra)
     result = run_training(None, overrides=over)
     assert len(loads) == 1  # beta 0.04: the reference is the base with the adapters off
     folder = latest_checkpoint(run) / "model"
@@ -65,10 +68,14 @@ def test_a_lora_run_trains_only_the_adapters_and_loads_no_reference_model(
     assert second["kl"] > 0  # the reference stayed the base while the adapters moved
 
 
-def test_a_lora_run_resumed_takes_the_step_an_uninterrupted_one_takes(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapters in the engine"])
+def test_a_lora_run_resumed_takes_the_step_an_uninterrupted_one_takes(
+    tiny_model_dir, tmp_path, merge
+):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    run_training(None, overrides=lora_overrides(tiny_model_dir, straight, tmp_path, steps=2))
-    run_training(None, overrides=lora_overrides(tiny_model_dir, halves, tmp_path, steps=1))
+    extra = {"lora.merge_for_rollout": merge}
+    run_training(None, overrides=lora_overrides(tiny_model_dir, straight, tmp_path, 2, **extra))
+    run_training(None, overrides=lora_overrides(tiny_model_dir, halves, tmp_path, 1, **extra))
     config = load_resume_config(str(halves), ["train.steps=2"], trust_run_code=True)
     run_training(config, resume=True, trust_run_code=True)
     a, b = adapters(straight), adapters(halves)
