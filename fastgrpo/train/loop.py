@@ -39,7 +39,7 @@ from fastgrpo.train.resume import (
     restore_optimizer,
 )
 from fastgrpo.train.step import grpo_step
-from fastgrpo.train.stopping import Interrupted, StepAbandoned, StopRequest
+from fastgrpo.train.stopping import HANG_DUMP_S, Interrupted, StepAbandoned, StopRequest
 from fastgrpo.train.trainer import (
     attach_adapters,
     build_rewards,
@@ -153,7 +153,7 @@ def _start(config: Config, resume: bool, trust_run_code: bool, world) -> TrainRe
     removed = remove_partial_checkpoints(run_dir) if world is None or world.is_main else []
     if removed:
         log.warning("removed %s: checkpoint writes an earlier process never finished", removed)
-    stop = StopRequest()
+    stop = StopRequest(dump_after=HANG_DUMP_S if world is not None else None)
     try:
         return _train(config, run_dir, checkpoint, changes, stop, trust_run_code, world)
     except Interrupted as interrupt:

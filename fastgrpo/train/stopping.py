@@ -14,6 +14,7 @@ SIGTERM), the codes shells use for a process a signal ended.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 
@@ -22,6 +23,9 @@ from fastgrpo.rollout.engine import cut_rollouts_short
 log = logging.getLogger("fastgrpo.train")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HANG_DUMP_S = 25.0
+"""In a torchrun job, a rank still running this long after a stop signal writes every thread's
+stack to stderr (torchrun kills the ranks at 30 s): a rank stuck in a collective says where."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -42,7 +46,8 @@ class StopRequest:
     """Catches SIGINT and SIGTERM from creation to `restore()`; `during_steps` chooses between
     "finish the step, then stop" (True) and "stop now" (False, the start)."""
 
-    def __init__(self):
+    def __init__(self, dump_after: float | None = None):
+        self.dump_after = dump_after  # seconds after the first signal to write the stacks
         self.requested = False
         self.signum: int | None = None
         self.during_steps = False
@@ -58,6 +63,8 @@ class StopRequest:
             raise Interrupted(signum)
         self.requested, self.signum = True, signum
         cut_rollouts_short()
+        if self.dump_after is not None:
+            faulthandler.dump_traceback_later(self.dump_after)
         log.warning(
             "%s: saving a checkpoint and exiting after this step, or now if it is still rolling "
             "out (once more to abort)",
@@ -66,6 +73,8 @@ class StopRequest:
 
     def restore(self):
         cut_rollouts_short(False)
+        if self.dump_after is not None:
+            faulthandler.cancel_dump_traceback_later()
         for number, previous in self._previous.items():
             signal.signal(number, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
