@@ -16,7 +16,7 @@ The factors live in tensors made once and refreshed in place after the adapters 
 Cost and saving: two small GEMMs per adapted group in each decode step and prefill, and the
 adapted groups lose the decode kernels' split-K parts and gate/up's SwiGLU epilogue; no copy of
 the adapted weights is kept (the merged copies are ~12 GiB at a 7B shape with every linear
-adapted). `benchmarks/bench_lora_rollout.py` measures both ways.
+adapted). `benchmarks/bench_step.py --lora 16 --lora-rollout both` measures both ways.
 """
 
 from __future__ import annotations
@@ -84,28 +84,33 @@ def _adapted_linear(x: torch.Tensor, weight, bias, f: Factors) -> torch.Tensor:
     return decode_linear.linear(x, weight, bias).addmm_(x @ f.a_cat.t(), f.b_bd.t())
 
 
-def forward_packed_adapted(layer, x, residual, cos, sin, attend, table: dict):
-    """`DecoderLayer.forward_packed` with the adapters of `table` (group name -> Factors) added
-    to their groups' GEMMs: returns (MLP output, residual), (T, H) each."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    qkv, o_proj, gate_up, down = attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj
-    h, residual = add_rms_norm(x, residual, norm1.weight, norm1.eps)  # (T, H) each
-    if "qkv" in table:
-        q, k, v = _adapted_linear(h, qkv.weight, qkv.bias, table["qkv"]).split(qkv.sizes, dim=-1)
-        out = attn.attend_projected(q, k, v, cos, sin, attend, fused=True)  # (T, Hq*D)
-    else:
-        out = attn.project_and_attend(h, cos, sin, attend)
-    if "o_proj" in table:
-        x = _adapted_linear(out, o_proj.weight, o_proj.bias, table["o_proj"])
-    else:
-        x = decode_linear.linear_to_residual(out, o_proj.weight, o_proj.bias)
-    h, residual = add_rms_norm(x, residual, norm2.weight, norm2.eps)
-    if "gate_up" in table:
-        both = _adapted_linear(h, gate_up.weight, gate_up.bias, table["gate_up"])
-        act = silu_mul(*both.split(gate_up.sizes, dim=-1))  # (T, I)
-    else:
-        act = decode_linear.linear(h, gate_up.weight, gate_up.bias, swiglu=True)
-    if "down_proj" in table:
-        return _adapted_linear(act, down.weight, down.bias, table["down_proj"]), residual
-    return decode_linear.linear_to_residual(act, down.weight, down.bias), residual
+# The engine's packed layer (`DecoderLayer.forward_packed`) computes each group through one of
+# these; `f` is the group's Factors, or None (no adapter: the decode kernels' own path).
+
+
+def project_and_attend(attn, h, cos, sin, attend, f: Factors | None) -> torch.Tensor:
+    """The packed q/k/v GEMM of normed h, then attention: (T, Hq*D)."""
+    if f is None:
+        return attn.project_and_attend(h, cos, sin, attend)
+    qkv = attn.qkv
+    q, k, v = _adapted_linear(h, qkv.weight, qkv.bias, f).split(qkv.sizes, dim=-1)
+    return attn.attend_projected(q, k, v, cos, sin, attend, fused=True)
+
+
+def linear_to_residual(x, linear: nn.Linear, f: Factors | None):
+    """o_proj or down_proj, whose only reader is the next norm: split-K parts where the decode
+    kernels give them (`decode_linear.linear_to_residual`), the whole product with adapters."""
+    if f is None:
+        return decode_linear.linear_to_residual(x, linear.weight, linear.bias)
+    return _adapted_linear(x, linear.weight, linear.bias, f)
+
+
+def norm_gate_up_silu(x, residual, norm, gate_up, f: Factors | None):
+    """(silu(gate) * up of the packed gate/up GEMM of RMSNorm(x + residual), x + residual): the
+    SiLU in the GEMM's epilogue where there is no adapter (`decode_linear.norm_linear`)."""
+    if f is None:
+        weight, bias = gate_up.weight, gate_up.bias
+        return decode_linear.norm_linear(x, residual, norm.weight, norm.eps, weight, bias, True)
+    h, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+    both = _adapted_linear(h, gate_up.weight, gate_up.bias, f)
+    return silu_mul(*both.split(gate_up.sizes, dim=-1)), residual

@@ -46,9 +46,9 @@ from fastgrpo.kernels.layers.rope import apply_rope, apply_rope_qk_, rope_qk_tra
 from fastgrpo.kernels.layers.swiglu import silu_mul, silu_mul_linear_train
 from fastgrpo.kernels.layers.token_inputs import embed_and_angles
 from fastgrpo.kernels.support import triton
+from fastgrpo.models import lora_decode
 from fastgrpo.models.attention import PackedCausalAttention, SharedKeys
 from fastgrpo.models.lora import LoraLinear, project
-from fastgrpo.models.lora_decode import forward_packed_adapted
 from fastgrpo.models.lora_train import lora_silu_mul_linear
 from fastgrpo.models.model_config import (  # noqa: F401 (re-exported: the model's own config)
     SUPPORTED_MODEL_TYPES,
@@ -303,18 +303,17 @@ class DecoderLayer(nn.Module):
         `decode_linear` runs the small ones as Triton kernels (the SiLU in gate/up's epilogue) and
         may return o_proj and down_proj as split-K parts (`SplitSums`) for the next norm to add
         up."""
-        if self.decode_adapters:
-            return forward_packed_adapted(self, x, residual, cos, sin, attend, self.decode_adapters)
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        adapters = self.decode_adapters  # LoRA's Factors by group (`lora_decode`), else empty
         h, residual = add_rms_norm(x, residual, norm1.weight, norm1.eps)  # (T, H) each
-        out = attn.project_and_attend(h, cos, sin, attend)  # (T, Hq*D)
+        out = lora_decode.project_and_attend(attn, h, cos, sin, attend, adapters.get("qkv"))
         # o_proj and down_proj are each read only by the next norm, which can add up split-K parts
-        x = decode_linear.linear_to_residual(out, attn.o_proj.weight, attn.o_proj.bias)  # (T, H)
-        act, residual = decode_linear.norm_linear(
-            x, residual, norm2.weight, norm2.eps, mlp.gate_up.weight, mlp.gate_up.bias, swiglu=True
+        x = lora_decode.linear_to_residual(out, attn.o_proj, adapters.get("o_proj"))  # (T, H)
+        act, residual = lora_decode.norm_gate_up_silu(
+            x, residual, norm2, mlp.gate_up, adapters.get("gate_up")
         )  # (T, I), (T, H)
-        down = decode_linear.linear_to_residual(act, mlp.down_proj.weight, mlp.down_proj.bias)
+        down = lora_decode.linear_to_residual(act, mlp.down_proj, adapters.get("down_proj"))
         return down, residual
 
 
