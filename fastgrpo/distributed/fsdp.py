@@ -100,8 +100,8 @@ class FullySharded:
         return named
 
     def release_engine_weights(self) -> None:
-        """Free the engine copy's memory until the next `gather_weights` (`train.fsdp_free_engine_copy`):
-        its 2 bytes per parameter are the update's to use. The tensors keep their shapes; their
+        """Free the engine copy's memory until `restore_engine_weights`
+        (`train.fsdp_free_engine_copy`): its 2 bytes per parameter are the update's to use. The tensors keep their shapes; their
         storage comes back at other addresses, so the engine captures its graphs again."""
         if not self.released:
             for storage, _ in self._storages:
@@ -109,25 +109,28 @@ class FullySharded:
             self.released = True
 
     def restore_engine_weights(self) -> None:
-        """The engine copy whole again if it was released: one gather at the end of a step,
-        whatever the optimizer steps it took (their gathers wait for this). A collective while
-        released: every rank calls it."""
-        if self.released:
-            self.gather_weights()
+        """The engine copy whole again if it was released: its storage allocated anew (the
+        packed projections take the new addresses), then one gather, whatever optimizer steps the
+        step took (their gathers waited for this). A collective while released: every rank calls
+        it."""
+        if not self.released:
+            return
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+        for layer in self.rollout_model.model.layers:
+            for packed in (layer.self_attn.qkv, layer.mlp.gate_up):
+                if packed is not None:
+                    packed.readdress()
+        self.released = False
+        self.gather_weights()
 
     @torch.no_grad()
     def gather_weights(self) -> None:
         """Every unit's weights, gathered whole in the compute dtype (one all-gather a unit),
-        into the engine's copy (in place: its CUDA graphs read the same addresses, unless the copy
-        was released since, whose storage is allocated again first)."""
+        into the engine's copy (in place: its CUDA graphs read the same addresses). While the copy
+        is released nothing is gathered: `restore_engine_weights` does it once."""
         if self.released:
-            for storage, nbytes in self._storages:
-                storage.resize_(nbytes)
-            for layer in self.rollout_model.model.layers:
-                for packed in (layer.self_attn.qkv, layer.mlp.gate_up):
-                    if packed is not None:
-                        packed.readdress()
-            self.released = False
+            return
         for unit, targets in zip(self.units, self._targets):
             unit.unshard()
             torch._foreach_copy_(targets, [p.detach() for _, p in self._own(unit)])

@@ -196,9 +196,8 @@ class ModelOptimizer:
             torch._foreach_mul_(grads, factor)
         self.adamw.step()
         shards.release_gradients()
-        if not getattr(shards, "released", False):  # a released engine copy: gathered once,
-            with timer("weight_gather") if timer is not None else nullcontext():  # at step end
-                shards.gather_weights()
+        with timer("weight_gather") if timer is not None else nullcontext():
+            shards.gather_weights()
         return norm, True
 
     def state_dict(self) -> dict:
