@@ -47,8 +47,6 @@ from fastgrpo.rollout.kv_cache import cache_bytes
 from fastgrpo.train.batching import plan_micro_batches
 
 GIB = 2**30
-
-
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 NEAR_FULL = 0.85
 """Above this share of the GPU the check suggests expandable segments: a 7B LoRA step at 96% of an
@@ -208,8 +206,8 @@ def estimate_memory(
     if config.model.gradient_checkpointing:
         # each layer's two inputs, one layer's recomputed activations, and that layer's MLP
         # gradients while it runs backward: d(silu(gate) * up) (T, I) and d(gate/up) (T, 2I)
-        backward = 3 * cfg.intermediate_size * size
-        kept = tokens * (cfg.num_layers * 2 * cfg.hidden_size * size + per_layer + backward)
+        mlp_grads = 3 * cfg.intermediate_size * size
+        kept = tokens * (cfg.num_layers * 2 * cfg.hidden_size * size + per_layer + mlp_grads)
     else:
         kept = tokens * cfg.num_layers * per_layer
     kept += tokens * (2 * cfg.hidden_size * size + 8)  # the final norm's, the token ids

@@ -169,12 +169,14 @@ def memory_lines(config: Config, model, tokenizer, task, lora=None) -> list[str]
     on_gpu = model.device.type == "cuda"
     if on_gpu:
         total = torch.cuda.get_device_properties(model.device).total_memory
-    else:  # the same shapes in bf16, no storage: only sizes count
+    else:
         total = H100_BYTES
+    if not on_gpu or lora is not None:  # the same shapes, no storage: only sizes count
+        dtype = model.lm_head_weight.dtype if on_gpu else torch.bfloat16  # the CPU: an H100 run
         with torch.device("meta"):
-            model = Transformer(model.config).to(torch.bfloat16)
+            model = Transformer(model.config).to(dtype)
         model.pack_projections()
-    if lora is not None:
+    if lora is not None:  # on the copy: the check's rollouts use the model as loaded
         add_adapters(model, lora)  # the trainer adds the same adapters; only their shapes count
     estimate = estimate_memory(config, model, prompt_len, device_bytes=total)
     longest = longest_completion(config, model, prompt_len, total)
