@@ -37,6 +37,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"
+MERGE_BLOCK = 1 << 24  # fp32 values of W + s B A computed at once (64 MiB) while merging
 
 
 class LoraError(ValueError):
@@ -149,8 +150,20 @@ class LoraLinear(nn.Linear):
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """W + scaling * B A, rounded once to the weight's dtype."""
-        update = self.lora_B.weight @ self.lora_A.weight  # (out, in) fp32
-        return (self.weight.float() + self.scaling * update).to(self.weight.dtype)
+        merged = torch.empty_like(self.weight)
+        self.merge_into(merged)
+        return merged
+
+    @torch.no_grad()
+    def merge_into(self, out: torch.Tensor) -> None:
+        """out <- W + scaling * B A, computed in fp32 (one GEMM adding to W) and rounded once
+        to out's dtype, in blocks of rows whose fp32 copy holds at most MERGE_BLOCK values."""
+        rows = max(1, MERGE_BLOCK // self.in_features)
+        for start in range(0, self.out_features, rows):
+            end = min(start + rows, self.out_features)
+            block = self.weight[start:end].to(torch.float32, copy=True)
+            block.addmm_(self.lora_B.weight[start:end], self.lora_A.weight, alpha=self.scaling)
+            out[start:end].copy_(block)
 
 
 def lora_delta(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor | None:
@@ -420,12 +433,35 @@ class MergedWeights:
         if packs:
             self.model.pack_projections()
         self.version = None
+        self._graph = None  # (the addresses it was captured with, the merge's CUDA graph)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Merge the current adapters into the engine's weights, in place."""
+        """Merge the current adapters into the engine's weights, in place. On a GPU the merge is
+        captured as a CUDA graph after its first run and replayed: one launch instead of ~3 per
+        adapted linear (host time the rollout phase spent), while every tensor it reads and
+        writes keeps its address (else it is captured again)."""
+        addresses = self._addresses()
+        if self._graph is not None and self._graph[0] == addresses:
+            self._graph[1].replay()
+            return
+        self._merge()
+        if self.pairs and self.pairs[0][0].weight.is_cuda:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._merge()  # recorded, not run: the merge above wrote the same values
+            self._graph = (addresses, graph)
+
+    def _merge(self) -> None:
         for plain, lora in self.pairs:
-            plain.weight.copy_(lora.merged_weight())
+            lora.merge_into(plain.weight)
+
+    def _addresses(self) -> tuple:
+        return tuple(
+            t.data_ptr()
+            for plain, lora in self.pairs
+            for t in (plain.weight, lora.weight, lora.lora_A.weight, lora.lora_B.weight)
+        )
 
     def current(self, version) -> nn.Module:
         """The merged model, refreshed first if the adapters changed since (`version`: anything

@@ -3,7 +3,7 @@
 The engine samples from the policy itself: each packed group of a layer (q/k/v, o_proj, gate/up,
 down_proj) adds its adapters to its base GEMM's output in the engine's forward,
 
-    y = x W^T + b,   then   y += (x a_cat^T) b_bd^T
+    y = x W^T + b,   then   y += alpha (x a_cat^T) b_bd^T
 
 the trainer's own expression (`lora_train.LowRankLinear`: the same `Factors`, in the weights'
 dtype, each GEMM rounding once), so engine and trainer log-probs differ only by summation order,
@@ -79,9 +79,10 @@ class DecodeAdapters:
 
 
 def _adapted_linear(x: torch.Tensor, weight, bias, f: Factors) -> torch.Tensor:
-    """x W^T + b + (x a_cat^T) b_bd^T: the base GEMM (`decode_linear.linear`), then the adapters'
-    part added in place, each GEMM rounding once as the trainer's do."""
-    return decode_linear.linear(x, weight, bias).addmm_(x @ f.a_cat.t(), f.b_bd.t())
+    """x W^T + b + alpha (x a_cat^T) b_bd^T: the base GEMM (`decode_linear.linear`), then the
+    adapters' part added in place, each GEMM rounding once as the trainer's do."""
+    out = decode_linear.linear(x, weight, bias)
+    return out.addmm_(x @ f.a_cat.t(), f.b_bd.t(), alpha=f.alpha)
 
 
 # The engine's packed layer (`DecoderLayer.forward_packed`) computes each group through one of

@@ -3,10 +3,12 @@ of the frozen base linear it belongs to, in the activations' dtype.
 
 For a linear (or a packed group: q/k/v, gate/up) with adapters, the forward is
 
-    y = x W^T + b,   then for each adapted block of columns i:   y_i += (x A_i^T) (s_i B_i)^T
+    y = x W^T + b,   then for each adapted block of columns i:   y_i += s_i (x A_i^T) B_i^T
 
 with A and B (fp32 parameters) cast to x's dtype, each GEMM accumulating in fp32 and rounding
-once, as bf16 autocast runs peft's layers. Autograd keeps x (the layer keeps it anyway) and the
+once, as bf16 autocast runs peft's layers (the scaling s_i is the GEMM's alpha). On CUDA the
+adapters' gradients come out of their GEMMs in fp32 (`scaled_product`): no bf16 rounding of them,
+no cast launched. Autograd keeps x (the layer keeps it anyway) and the
 (tokens, rank) products, nothing of (tokens, out) or an fp32 copy of x; the backward gives x's
 gradient in one GEMM plus one rank-R update, and A's and B's as (rank, in) and (out, rank) GEMMs.
 The down projection's adapter reads silu(gate) * up, which the fused MLP recomputes in its
@@ -55,13 +57,16 @@ def takes(linears) -> bool:
 @dataclass(frozen=True)
 class Factors:
     """A group's adapters as two matrices in the activations' dtype: a_cat (R, in), the A's
-    stacked, and b_bd (out, R), block-diagonal: adapter i's s_i B_i at its output rows and its
-    rank columns (zeros for a linear without adapter), so one GEMM applies every adapter of a
-    packed group. `blocks`: (first row, end row, first rank column, end rank column, s) each."""
+    stacked, and b_bd (out, R), block-diagonal: adapter i's (s_i / alpha) B_i at its output rows
+    and its rank columns (zeros for a linear without adapter), so one GEMM applies every adapter
+    of a packed group: y += alpha (x a_cat^T) b_bd^T. `alpha` is the group's scaling s when its
+    adapters share one (the usual case: then b_bd holds the B's as they are and the GEMM applies
+    s), else 1. `blocks`: (first row, end row, first rank column, end rank column, s) each."""
 
     a_cat: torch.Tensor
     b_bd: torch.Tensor
     blocks: tuple
+    alpha: float
 
 
 CACHE = "_lora_factors"  # attribute of a group's first linear: (key, Factors)
@@ -69,24 +74,30 @@ _STEPS = [0]  # optimizer steps that changed adapters (`adapters_stepped`)
 
 
 def adapters_stepped() -> None:
-    """An optimizer changed adapters in place: every cached `Factors` is made again. Needed
+    """An optimizer changed adapters in place: every cached `Factors` is refilled. Needed
     because fused AdamW (the trainer's on GPUs) leaves the parameters' version counters as they
     were; every other in-place change (a load, a copy) moves them."""
     _STEPS[0] += 1
 
 
 def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
-    """The group's `Factors`, made once per adapter change: cached on its first linear and
-    remade after an optimizer step (`adapters_stepped`) or any other in-place change of an
-    adapter (its version counter), so the casts run once per step instead of in every forward
-    and backward."""
+    """The group's `Factors`: cached on its first linear, made once and refilled in place after
+    an optimizer step (`adapters_stepped`) or any other in-place change of an adapter (its
+    version counter), so the casts run once per step instead of in every forward and backward,
+    and no new tensors are allocated."""
     adapted = [m for m in linears if has_adapter(m)]
-    key = (dtype, device, _STEPS[0]) + tuple(
-        (id(m.lora_A.weight), m.lora_A.weight._version, m.lora_B.weight._version, m.scaling)
-        for m in adapted
+    shapes = (dtype, device) + tuple((id(m.lora_A.weight), m.scaling) for m in adapted)
+    key = (
+        shapes
+        + (_STEPS[0],)
+        + tuple((m.lora_A.weight._version, m.lora_B.weight._version) for m in adapted)
     )
     cached = linears[0].__dict__.get(CACHE)
     if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is not None and cached[0][: len(shapes)] == shapes:
+        fill_factors(cached[1], linears)
+        linears[0].__dict__[CACHE] = (key, cached[1])
         return cached[1]
     made = make_factors(linears, dtype, device)
     linears[0].__dict__[CACHE] = (key, made)
@@ -106,10 +117,12 @@ def make_factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
             blocks.append((row, row + m.out_features, column, column + r, m.scaling))
             column += r
         row += m.out_features
+    scales = {m.scaling for m in adapted}
     made = Factors(
         torch.empty(rank, in_features, dtype=dtype, device=device),
         torch.zeros(out, rank, dtype=dtype, device=device),
         tuple(blocks),
+        scales.pop() if len(scales) == 1 else 1.0,
     )
     fill_factors(made, linears)
     return made
@@ -120,31 +133,66 @@ def fill_factors(f: Factors, linears) -> None:
     """Write the group's current adapters into `f`'s tensors, in place (same blocks: the group's
     adapters are the ones `f` was made for)."""
     adapted = [m for m in linears if has_adapter(m)]
-    for m, (r0, r1, c0, c1, s) in zip(adapted, f.blocks):
-        f.a_cat[c0:c1].copy_(m.lora_A.weight)
-        f.b_bd[r0:r1, c0:c1].copy_(m.lora_B.weight * s)
+    a_parts = [f.a_cat[c0:c1] for _, _, c0, c1, _ in f.blocks]
+    b_parts = [f.b_bd[r0:r1, c0:c1] for r0, r1, c0, c1, _ in f.blocks]
+    b_values = [
+        m.lora_B.weight if s == f.alpha else m.lora_B.weight * (s / f.alpha)
+        for m, (*_, s) in zip(adapted, f.blocks)
+    ]
+    torch._foreach_copy_(a_parts + b_parts, [m.lora_A.weight for m in adapted] + b_values)
 
 
-def _adapter_grads(grad_a_cat, grad_b_full, f: Factors, a_list, b_list):
-    """Each A's and B's gradient in its parameter's dtype, from the group's (R, in) and
-    (out, R) products: one cast each, then views (A) and the diagonal blocks times s (B)."""
-    grad_a_cat = grad_a_cat.to(a_list[0].dtype)
-    grad_b_full = grad_b_full.to(b_list[0].dtype)
-    grad_a = [grad_a_cat[c0:c1] for _, _, c0, c1, _ in f.blocks]
-    grad_b = [grad_b_full[r0:r1, c0:c1] * s for r0, r1, c0, c1, s in f.blocks]
-    return grad_a, grad_b
+_SCALED_PRODUCT = []  # the way `scaled_product` takes on CUDA (found by `_probe` once)
+
+
+def scaled_product(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype) -> torch.Tensor:
+    """alpha (a @ b) in `dtype`: on CUDA, bf16/fp16 operands give an fp32 result from one GEMM
+    (accumulated in fp32, rounded once to fp32: no bf16 copy of an adapter's gradient, no cast)."""
+    if a.dtype == dtype or not a.is_cuda:
+        return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha).to(dtype)
+    if not _SCALED_PRODUCT:
+        _SCALED_PRODUCT.append(_probe(a.device))
+    return _SCALED_PRODUCT[0](a, b, alpha, dtype)
+
+
+def _probe(device):
+    """The fastest form of `scaled_product` this torch has for mixed dtypes, checked on a small
+    product against fp64: addmm with out_dtype (one GEMM), mm with out_dtype and a scaling,
+    else the GEMM in the operands' dtype and a cast."""
+
+    def one_gemm(a, b, alpha, dtype):
+        return torch.addmm(a.new_empty((), dtype=dtype), a, b, beta=0, alpha=alpha, out_dtype=dtype)
+
+    def gemm_then_scale(a, b, alpha, dtype):
+        return torch.mm(a, b, out_dtype=dtype).mul_(alpha)
+
+    def cast(a, b, alpha, dtype):
+        return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha).to(dtype)
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(24, 40, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(40, 16, generator=g).to(device, torch.bfloat16)
+    want = 1.5 * (a.double() @ b.double())
+    for way in (one_gemm, gemm_then_scale):
+        try:
+            got = way(a, b, 1.5, torch.float32)
+        except (RuntimeError, TypeError):
+            continue
+        if got.dtype == torch.float32 and torch.allclose(got.double(), want, atol=1e-4):
+            return way
+    return cast
 
 
 class LowRankLinear(torch.autograd.Function):
-    """x W^T + b + (x a_cat^T) b_bd^T: a frozen (packed) linear and its adapters (`Factors`).
-    `params`: the A's then the B's, the parameters that receive the gradients."""
+    """x W^T + b + alpha (x a_cat^T) b_bd^T: a frozen (packed) linear and its adapters
+    (`Factors`). `params`: the A's then the B's, the parameters that receive the gradients."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, f: Factors, *params):
         flat = x.reshape(-1, x.shape[-1])
         low = flat @ f.a_cat.t()  # (T, R)
         y = F.linear(flat, weight, bias)  # (T, out)
-        y.addmm_(low, f.b_bd.t())
+        y.addmm_(low, f.b_bd.t(), alpha=f.alpha)
         ctx.f = f
         ctx.save_for_backward(x, weight, low, *params)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -154,15 +202,26 @@ class LowRankLinear(torch.autograd.Function):
         x, weight, low, *params = ctx.saved_tensors
         f = ctx.f
         flat = grad.reshape(-1, grad.shape[-1])
-        d_low = flat @ f.b_bd  # (T, R)
+        d_low = flat @ f.b_bd  # (T, R): the gradient of low, over alpha
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(flat @ weight, d_low, f.a_cat).view_as(x)
-        k = len(params) // 2
-        grad_a, grad_b = _adapter_grads(
-            d_low.t() @ x.reshape(-1, x.shape[-1]), flat.t() @ low, f, params[:k], params[k:]
-        )
+            grad_x = torch.addmm(flat @ weight, d_low, f.a_cat, alpha=f.alpha).view_as(x)
+        grad_a, grad_b = _adapter_grads(flat, d_low, x.reshape(-1, x.shape[-1]), low, f, params)
         return grad_x, None, None, None, *grad_a, *grad_b
+
+
+def _adapter_grads(grad_out, d_low, x, low, f: Factors, params):
+    """Each A's and B's gradient in its parameter's dtype: the A's from one (R, in) GEMM (views
+    of its rows), each B from a GEMM of its own block, s_i dY_i^T low_i (contiguous, so autograd
+    keeps it as the .grad without a copy). `params`: the A's then the B's."""
+    k = len(params) // 2
+    grad_a_cat = scaled_product(d_low.t(), x, f.alpha, params[0].dtype)  # (R, in)
+    grad_a = [grad_a_cat[c0:c1] for _, _, c0, c1, _ in f.blocks]
+    grad_b = [
+        scaled_product(grad_out[:, r0:r1].t(), low[:, c0:c1], s, b.dtype)
+        for (r0, r1, c0, c1, s), b in zip(f.blocks, params[k:])
+    ]
+    return grad_a, grad_b
 
 
 def lora_linear(x: torch.Tensor, linears, packed=None) -> torch.Tensor:
@@ -196,7 +255,7 @@ class LoraSiluMulLinear(torch.autograd.Function):
         act = silu_mul_triton(*gate_up.split(inner, dim=-1))  # (T, I)
         low = act @ f.a_cat.t()  # (T, r)
         out = F.linear(act, weight, bias)
-        out.addmm_(low, f.b_bd.t())
+        out.addmm_(low, f.b_bd.t(), alpha=f.alpha)
         ctx.inner, ctx.f = inner, f
         ctx.save_for_backward(gate_up, weight, low, a, b)
         return out
@@ -207,9 +266,9 @@ class LoraSiluMulLinear(torch.autograd.Function):
         f = ctx.f
         d_out = d_out.contiguous()
         d_low = d_out @ f.b_bd  # (T, r)
-        d_act = torch.addmm(d_out @ weight, d_low, f.a_cat)  # (T, I)
+        d_act = torch.addmm(d_out @ weight, d_low, f.a_cat, alpha=f.alpha)  # (T, I)
         d_gate_up, act = silu_mul_backward_triton(gate_up, d_act, ctx.inner, True)
-        (grad_a,), (grad_b,) = _adapter_grads(d_low.t() @ act, d_out.t() @ low, f, [a], [b])
+        (grad_a,), (grad_b,) = _adapter_grads(d_out, d_low, act, low, f, (a, b))
         return d_gate_up, None, None, None, None, grad_a, grad_b
 
 

@@ -355,16 +355,20 @@ def test_a_bf16_layers_adapters_keep_no_fp32_copy_of_their_inputs():
     assert down.lora_A.weight.grad is not None
 
 
-def test_the_in_gemm_adapters_give_autograds_gradients_in_float64_and_follow_updates():
+@pytest.mark.parametrize("last", [(2, 3.0), (3, 1.0)], ids=["one-scaling", "two-scalings"])
+def test_the_in_gemm_adapters_give_autograds_gradients_in_float64_and_follow_updates(last):
     """A packed group of three linears, two with adapters (LowRankLinear over the block-diagonal
-    factors): values and gradients of x, A and B against the plain expression in float64; after
-    the adapters change in place (as an optimizer step changes them), the output follows."""
-    from fastgrpo.models.lora_train import lora_linear
+    factors; their scalings the same, the GEMM's alpha, or not, folded into the B blocks): values
+    and gradients of x, A and B against the plain expression in float64; after the adapters
+    change in place (as an optimizer step changes them), the output follows, from the same
+    factor tensors refilled."""
+    from fastgrpo.models.lora_train import CACHE, lora_linear
 
     g = torch.Generator().manual_seed(4)
     settings = LoraSettings(rank=2, alpha=3.0)
     bases = [torch.nn.Linear(7, n, bias=True, dtype=torch.float64) for n in (3, 4, 2)]
-    linears = [LoraLinear(bases[0], settings), bases[1], LoraLinear(bases[2], settings)]
+    linears = [LoraLinear(bases[0], settings), bases[1], LoraLinear(bases[2], LoraSettings(*last))]
+    assert (linears[0].scaling == linears[2].scaling) == (last == (2, 3.0))
     for m in linears:
         m.requires_grad_(False)
         if isinstance(m, LoraLinear):
@@ -391,10 +395,13 @@ def test_the_in_gemm_adapters_give_autograds_gradients_in_float64_and_follow_upd
     want = torch.autograd.grad((theirs * w).sum(), [x, *params])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+    made = linears[0].__dict__[CACHE][1]
     with torch.no_grad():  # an optimizer step's in-place change
         for p in params:
             p.add_(0.1)
     torch.testing.assert_close(lora_linear(x, linears), plain(x))
+    again = linears[0].__dict__[CACHE][1]
+    assert again is made and again.a_cat.data_ptr() == made.a_cat.data_ptr()
 
 
 def test_the_down_projections_adapter_in_the_fused_mlp_gives_autograds_gradients():
@@ -499,3 +506,23 @@ def test_the_engines_own_adapters_give_the_adapted_logits_and_follow_updates(
     rollout.current(1)  # a new version: the factors written again, in place
     torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=5e-5)
     assert [t.data_ptr() for _, f in rollout.groups for t in (f.a_cat, f.b_bd)] == pointers
+
+
+def test_merging_in_blocks_of_rows_gives_w_plus_s_b_a_and_leaves_the_base_alone(monkeypatch):
+    """merge_into computes W + s B A a few rows at a time (MERGE_BLOCK values of fp32 at once):
+    against float64 for a bf16 and an fp32 weight, whose base is never written (an fp32 weight's
+    .float() would be the weight itself)."""
+    from fastgrpo.models import lora as lora_module
+
+    monkeypatch.setattr(lora_module, "MERGE_BLOCK", 3 * 37)  # 3 rows of 37 inputs per block
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = LoraLinear(torch.nn.Linear(37, 10, bias=False).to(dtype), LoraSettings(4, 6.0))
+        with torch.no_grad():
+            layer.lora_B.weight.copy_(torch.randn(10, 4, generator=g))
+        base = layer.weight.detach().clone()
+        merged = torch.empty_like(layer.weight)
+        layer.merge_into(merged)
+        want = base.double() + 1.5 * layer.lora_B.weight.double() @ layer.lora_A.weight.double()
+        assert torch.equal(layer.weight, base)
+        torch.testing.assert_close(merged, want.to(dtype))  # one rounding: the dtype's tolerance
