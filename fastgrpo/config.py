@@ -105,6 +105,9 @@ class TrainConfig:
     # (benchmarks/HISTORY.md, issue 5); lower it for larger models or longer completions
     micro_batch_tokens: int = 12288  # tokens per forward/backward pass
     fused_lm_head: str = "auto"  # auto (Triton on CUDA) | on | off: fused LM-head loss kernels
+    # auto: on one GPU, each micro-batch's forward and backward through the native model's layers
+    # replay CUDA graphs (recorded per padded size), not ~3,000 launches from Python
+    cuda_graphs: str = "auto"  # auto | off: the update's layers as CUDA graphs
     # auto | fp32: AdamW steps fp32 masters of bf16 weights, fp32 moments (the bf16 weights are
     # refreshed from them after each step); off: AdamW updates bf16 weights in place, which
     # rounds updates below half a bf16 ulp away (most of them at lr 1e-5)
@@ -372,6 +375,7 @@ _CHOICES = {
     "algo.baseline": ("mean", "leave_one_out"),
     "train.lr_scheduler": ("constant", "linear", "cosine"),
     "train.fused_lm_head": ("auto", "on", "off"),
+    "train.cuda_graphs": ("auto", "off"),
     "train.master_weights": ("auto", "fp32", "off"),
     "train.bf16_rounding": ("stochastic", "nearest"),
     "train.parallel": ("auto", "replicated", "sharded", "fsdp"),

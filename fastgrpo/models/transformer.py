@@ -405,22 +405,29 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.lookup(positions, position_bound, x.dtype)  # (T, D) each
         use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
         if use_train_kernels(x):
-            residual = None
-            for layer in self.model.layers:
-                if use_checkpoint:
-                    x, residual = checkpoint(
-                        layer.forward_train, x, residual, cos, sin, attend, use_reentrant=False
-                    )
-                else:
-                    x, residual = layer.forward_train(x, residual, cos, sin, attend)
-            norm = self.model.norm
-            return add_rms_norm_train(x, residual, norm.weight, norm.eps)[0]  # (T, H)
+            return self.train_layers(x, cos, sin, attend)
         for layer in self.model.layers:
             if use_checkpoint:
                 x = checkpoint(layer, x, cos, sin, attend, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attend)
         return self.model.norm(x)  # (T, H)
+
+    def train_layers(self, x, cos, sin, attend: Attend) -> torch.Tensor:
+        """The trainer's CUDA path after the embedding: every layer's `forward_train` (each
+        recomputed in the backward under activation checkpointing) and the final norm; hidden
+        states (T, H). `train.captured_layers` records this as CUDA graphs."""
+        use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
+        residual = None
+        for layer in self.model.layers:
+            if use_checkpoint:
+                x, residual = checkpoint(
+                    layer.forward_train, x, residual, cos, sin, attend, use_reentrant=False
+                )
+            else:
+                x, residual = layer.forward_train(x, residual, cos, sin, attend)
+        norm = self.model.norm
+        return add_rms_norm_train(x, residual, norm.weight, norm.eps)[0]  # (T, H)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)  # (T, V)

@@ -138,6 +138,42 @@ class PackedRows:
     position_bound: int
 
 
+@dataclass
+class HostLayout:
+    """`PackedRows` on the host, as numpy int64 arrays: what `pack_layout` builds and
+    `to_device` sends in one copy. `cu_seqlens_k`: the keys' bounds (the queries' own when
+    `key_rows` is None)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    scored: np.ndarray
+    cu_seqlens: np.ndarray
+    cu_seqlens_k: np.ndarray
+    key_rows: np.ndarray | None
+    max_seqlen: int
+    max_seqlen_k: int
+    position_bound: int
+
+    def to_device(self, device) -> PackedRows:
+        parts = [self.tokens, self.positions, self.scored, self.cu_seqlens, self.cu_seqlens_k]
+        parts += [] if self.key_rows is None else [self.key_rows]
+        joined = to_device(torch.from_numpy(np.concatenate(parts)), device)  # one copy
+        on_device = joined.split([p.size for p in parts])
+        tokens, positions, scored, cu, cu_k = on_device[:5]
+        keys = None
+        if self.key_rows is not None:
+            keys = SharedKeys(on_device[5], cu_k, self.max_seqlen_k)
+        return PackedRows(
+            tokens=tokens,
+            positions=positions,
+            cu_seqlens=cu.to(torch.int32),
+            max_seqlen=self.max_seqlen,
+            keys=keys,
+            scored=scored,
+            position_bound=self.position_bound,
+        )
+
+
 def prompt_groups(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool | None = None
 ) -> torch.Tensor:
@@ -149,13 +185,14 @@ def prompt_groups(
     return torch.unique(real, dim=0, return_inverse=True)[1]
 
 
-def pack_rows(
+def pack_layout(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     share_prompts: bool | None = None,
-) -> PackedRows | None:
-    """The packed layout of a trainer forward (None when no row keeps a token).
+) -> HostLayout | None:
+    """The packed layout of a trainer forward, on the host (None when no row keeps a token);
+    `pack_rows` sends it to the device.
 
     Each row is fed its real prompt tokens and its kept completion tokens but the last (which
     predicts nothing); rows keeping nothing are not fed. With `share_prompts` (default
@@ -223,22 +260,28 @@ def pack_rows(
     scored[np.cumsum(n_kept) - n_kept] = prompt_start[gi[i]] + glen[gi[i]] - 1
     cu = np.concatenate([[0], np.cumsum(q_lengths)])
     cu_k = np.concatenate([[0], np.cumsum(k_lengths)])
-    parts = [tokens, positions, scored, cu, cu_k] + ([] if key_rows is None else [key_rows])
-    joined = to_device(torch.from_numpy(np.concatenate(parts)), prompt_ids.device)  # one copy
-    on_device = joined.split([p.size for p in parts])
-    tokens, positions, scored, cu, cu_k = on_device[:5]
-    keys = None
-    if key_rows is not None:
-        keys = SharedKeys(on_device[5], cu_k, int(k_lengths.max()))
-    return PackedRows(
+    return HostLayout(
         tokens=tokens,
         positions=positions,
-        cu_seqlens=cu.to(torch.int32),
-        max_seqlen=int(q_lengths.max()),
-        keys=keys,
         scored=scored,
+        cu_seqlens=cu,
+        cu_seqlens_k=cu_k,
+        key_rows=key_rows,
+        max_seqlen=int(q_lengths.max()),
+        max_seqlen_k=int(k_lengths.max()),
         position_bound=int((first_position + length).max()),
     )
+
+
+def pack_rows(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    share_prompts: bool | None = None,
+) -> PackedRows | None:
+    """`pack_layout` on the device: one copy (None when no row keeps a token)."""
+    layout = pack_layout(prompt_ids, prompt_mask, completion_mask, share_prompts)
+    return None if layout is None else layout.to_device(prompt_ids.device)
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -97,14 +97,16 @@ class LossSettings:
 MicroBatchLoss = Callable[[object, MicroBatch, int, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def choose_loss(settings: LossSettings, fused: bool) -> MicroBatchLoss:
-    """The micro-batch loss for these settings; `fused`: the LM-head kernels (CUDA, Triton)."""
+def choose_loss(settings: LossSettings, fused: bool, hidden_of=kept_hidden) -> MicroBatchLoss:
+    """The micro-batch loss for these settings; `fused`: the LM-head kernels (CUDA, Triton);
+    `hidden_of(model, rollout)`: the fused paths' hidden states of the kept tokens
+    (`logprobs.kept_hidden`, or `captured_layers.CapturedLayers.kept_hidden`)."""
     if not fused:
         return partial(reference_loss, settings=settings)
     per_token = settings.importance_sampling_level == "token"
     if settings.loss_type in TOKEN_LEVEL_LOSSES and per_token:
-        return partial(fused_token_loss, settings=settings)
-    return partial(fused_sequence_loss, settings=settings)
+        return partial(fused_token_loss, settings=settings, hidden_of=hidden_of)
+    return partial(fused_sequence_loss, settings=settings, hidden_of=hidden_of)
 
 
 def _policy_loss_on(mb: MicroBatch, logp, entropy, num_sequences, num_tokens, settings):
@@ -131,7 +133,15 @@ def reference_loss(model, mb: MicroBatch, num_sequences, num_tokens, *, settings
     return _policy_loss_on(mb, logp, entropy, num_sequences, num_tokens, settings)
 
 
-def fused_token_loss(model, mb: MicroBatch, num_sequences, num_tokens, *, settings: LossSettings):
+def fused_token_loss(
+    model,
+    mb: MicroBatch,
+    num_sequences,
+    num_tokens,
+    *,
+    settings: LossSettings,
+    hidden_of=kept_hidden,
+):
     mask = mb.rollout.completion_mask
     keep = mask.bool()  # (b, Tc)
     weights = token_weights(
@@ -144,7 +154,7 @@ def fused_token_loss(model, mb: MicroBatch, num_sequences, num_tokens, *, settin
     rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
     pick = lambda x: None if x is None else x[keep]  # noqa: E731
     loss, logp, entropy = lm_head_grpo_loss(
-        kept_hidden(model, mb.rollout),  # (n, H)
+        hidden_of(model, mb.rollout),  # (n, H)
         lm_head_weight(model),  # (V, H)
         mb.rollout.completion_ids[keep],
         weights[keep],
@@ -160,7 +170,13 @@ def fused_token_loss(model, mb: MicroBatch, num_sequences, num_tokens, *, settin
 
 
 def fused_sequence_loss(
-    model, mb: MicroBatch, num_sequences, num_tokens, *, settings: LossSettings
+    model,
+    mb: MicroBatch,
+    num_sequences,
+    num_tokens,
+    *,
+    settings: LossSettings,
+    hidden_of=kept_hidden,
 ):
     keep = mb.rollout.completion_mask.bool()  # (b, Tc)
 
@@ -169,7 +185,7 @@ def fused_sequence_loss(
         return _policy_loss_on(mb, full_logp, full_entropy, num_sequences, num_tokens, settings)[0]
 
     loss, logp, entropy = lm_head_policy_loss(
-        kept_hidden(model, mb.rollout),
+        hidden_of(model, mb.rollout),
         lm_head_weight(model),
         mb.rollout.completion_ids[keep],
         whole_loss,

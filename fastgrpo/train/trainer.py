@@ -28,6 +28,8 @@ from fastgrpo.models.lora import (
 )
 from fastgrpo.models.lora_decode import DecodeAdapters
 from fastgrpo.rewards import RewardSet
+from fastgrpo.train.captured_layers import CapturedLayers, serves
+from fastgrpo.train.logprobs import kept_hidden
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
 from fastgrpo.train.parallel import choose_parallel
 from fastgrpo.train.precision import rounded_away_fraction
@@ -202,6 +204,14 @@ def check_lora(config: Config) -> None:
         )
 
 
+def _hidden_of(config: Config, model, fused: bool, world):
+    """How the fused loss gets its hidden states: through the layers' CUDA graphs where
+    train.cuda_graphs allows and they serve (`captured_layers.serves`), else eagerly."""
+    if config.train.cuda_graphs == "auto" and fused and serves(model, world):
+        return CapturedLayers(model).kept_hidden
+    return kept_hidden
+
+
 def check_fused_lm_head(config: Config, model) -> bool:
     """Whether the update runs the fused LM-head kernels on `model`; a ConfigError now if
     train.fused_lm_head asks for kernels that cannot run there."""
@@ -297,7 +307,7 @@ def build_trainer(
         rewards if rewards is not None else build_rewards(config),
         stop_token_ids(tokenizer, model),
         settings,
-        choose_loss(settings, fused),
+        choose_loss(settings, fused, _hidden_of(config, model, fused, world)),
         fused,
         world if world is not None and world.size > 1 else None,
         parallel,

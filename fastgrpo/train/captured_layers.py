@@ -1,0 +1,191 @@
+"""The update's decoder layers as CUDA graphs (`train.cuda_graphs`): each micro-batch's forward
+and backward through the layers is two graph launches instead of ~3,000 kernel launches.
+
+Why: on a GPU the update of a small model is host-bound. At the 0.5B shape (H100, e2cd957) its
+forward and backward passes take ~190 ms of host time for ~128 ms of GPU work, and with LoRA
+~250 ms for ~120 ms (benchmarks/lab/profile_update_host.py): Python, autograd and the launches,
+not arithmetic, set the pace.
+
+How: a micro-batch's packed layout (`logprobs.pack_layout`) is padded to a bucket (`pad_layout`):
+its tokens up to the next multiple of TOKEN_STEP and its sequences up to a multiple of
+SEQUENCE_STEP by filler sequences whose keys are their own rows (so every packed row and every
+key row belongs to exactly one sequence, and every query sees a key), its keys likewise, its
+longest lengths up to powers of two. Per bucket,
+`torch.cuda.make_graphed_callables` records the layers from the embeddings to the final norm
+(`Transformer.train_layers`) as a forward graph and a backward graph, all buckets sharing one
+memory pool. The embedding, the RoPE tables, the packing and the loss stay eager; the filler's
+hidden states are never scored, so its gradients are zero.
+
+The graphs read the weights (and LoRA's factors, refilled in place) at the addresses they had when
+recorded; a change of address (a reload, a repack) records them again. Used on one GPU for the
+native model without activation checkpointing, LoRA dropout or a layer the flash kernels do not
+serve (`serves`); elsewhere the layers run eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastgrpo.models import Transformer
+from fastgrpo.models.attention import SharedKeys, flash_serves
+from fastgrpo.models.lora_decode import layer_groups
+from fastgrpo.models.lora_train import factors, has_adapter
+from fastgrpo.rollout.types import Rollout
+from fastgrpo.train.logprobs import HostLayout, kept_hidden, pack_layout
+
+TOKEN_STEP = 512  # packed tokens (and key rows) are padded up to a multiple of this
+SEQUENCE_STEP = 8  # and the sequences (filler sequences added) to a multiple of this
+MAX_GRAPHS = 8  # buckets kept recorded; the least recently used is dropped beyond
+
+
+def serves(model, world=None) -> bool:
+    """Whether the update's layers can run as CUDA graphs: the native model on one CUDA GPU, in
+    a dtype and head size the flash kernels take (every layer's window too), no activation
+    checkpointing, no LoRA dropout."""
+    if not isinstance(model, Transformer) or model.device.type != "cuda":
+        return False
+    if world is not None and world.size > 1:
+        return False
+    if model.activation_checkpointing:
+        return False
+    config = model.config
+    windows = config.layer_windows or [None]
+    dtype = model.model.embed_tokens.weight.dtype
+    if not all(flash_serves(dtype, config.head_dim, w) for w in windows):
+        return False
+    return not any(getattr(m, "dropout", 0.0) and has_adapter(m) for m in model.modules())
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _split(total: int, parts: int) -> np.ndarray:
+    """`total` in `parts` near-equal positive pieces, the larger first."""
+    base, extra = divmod(total, parts)
+    return base + (np.arange(parts) < extra).astype(np.int64)
+
+
+def pad_layout(
+    layout: HostLayout, step: int = TOKEN_STEP, sequence_step: int = SEQUENCE_STEP
+) -> tuple[HostLayout, tuple]:
+    """`layout` padded to its bucket, and the bucket: (tokens, key rows, sequences, longest
+    queries, longest keys). Filler sequences (1 to `sequence_step` of them, so the sequences
+    come to a multiple of it) take the tokens up to a multiple of `step`, at least one each (id:
+    the first row's first token; positions 0, 1, ...), and the key rows likewise, at least as
+    many keys as queries each, their own rows repeated; the scored rows are the layout's own."""
+    T = layout.tokens.size
+    key_rows = layout.key_rows if layout.key_rows is not None else np.arange(T)
+    Tk, N = key_rows.size, layout.cu_seqlens.size - 1
+    fillers = -(N + 1) % sequence_step + 1
+    T_b = -(-(T + fillers) // step) * step
+    Tk_b = -(-(Tk + T_b - T) // step) * step
+    q_len, k_len = _split(T_b - T, fillers), _split(Tk_b - Tk, fillers)  # k_len >= q_len
+    q_start = T + np.cumsum(q_len) - q_len
+    own_keys = np.concatenate([s + np.arange(k) % q for s, q, k in zip(q_start, q_len, k_len)])
+    positions = np.concatenate([np.arange(q) for q in q_len])
+    padded = HostLayout(
+        tokens=np.concatenate([layout.tokens, np.zeros(T_b - T, dtype=np.int64)]),
+        positions=np.concatenate([layout.positions, positions]),
+        scored=layout.scored,
+        cu_seqlens=np.concatenate([layout.cu_seqlens, T + np.cumsum(q_len)]),
+        cu_seqlens_k=np.concatenate([layout.cu_seqlens_k, Tk + np.cumsum(k_len)]),
+        key_rows=np.concatenate([key_rows, own_keys]),
+        max_seqlen=_power_of_two(max(layout.max_seqlen, int(q_len.max()))),
+        max_seqlen_k=_power_of_two(max(layout.max_seqlen_k, int(k_len.max()))),
+        position_bound=max(layout.position_bound, int(q_len.max())),
+    )
+    bucket = (T_b, Tk_b, N + fillers, padded.max_seqlen, padded.max_seqlen_k)
+    return padded, bucket
+
+
+class _Layers(nn.Module):
+    """The model's layers and final norm (its parameters: what the graphs' backward gives
+    gradients for) as one callable of tensors, for one bucket's longest lengths."""
+
+    def __init__(self, model: Transformer, max_seqlen: int, max_seqlen_k: int):
+        super().__init__()
+        self.layers, self.norm = model.model.layers, model.model.norm
+        self.__dict__["owner"] = model  # not a submodule: its other parameters are not used
+        self.max_seqlen, self.max_seqlen_k = max_seqlen, max_seqlen_k
+
+    def forward(self, x, cos, sin, cu_seqlens, cu_seqlens_k, key_rows):
+        keys = SharedKeys(key_rows, cu_seqlens_k, self.max_seqlen_k)
+        attend = self.owner.packed_attention(cu_seqlens, self.max_seqlen, keys)
+        return self.owner.train_layers(x, cos, sin, attend)
+
+
+class CapturedLayers:
+    """`kept_hidden` for the update's micro-batches, its layers replayed from CUDA graphs (one
+    pair per bucket, recorded the first time a bucket comes). `captures` and `replays` count."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.graphs: OrderedDict[tuple, nn.Module] = OrderedDict()
+        self.pool = None
+        self.addresses: tuple | None = None
+        self.captures = self.replays = 0
+
+    def kept_hidden(self, model, rollout: Rollout) -> torch.Tensor:
+        """(n, H) final hidden states predicting the kept completion tokens, as
+        `logprobs.kept_hidden` gives them; with autograd (the update), through the graphs."""
+        if model is not self.model or not (torch.is_grad_enabled() and model.training):
+            return kept_hidden(model, rollout)
+        layout = pack_layout(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)
+        if layout is None:
+            return kept_hidden(model, rollout)
+        padded, bucket = pad_layout(layout)
+        packed = padded.to_device(rollout.prompt_ids.device)
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).view(-1)
+        x = model.model.embed_tokens(ids[packed.tokens])  # (T_b, H)
+        cos, sin = model.rotary.lookup(packed.positions, padded.position_bound, x.dtype)
+        args = (x, cos, sin, packed.cu_seqlens, packed.keys.cu_seqlens, packed.keys.rows)
+        layers = self._graphed(bucket, args)
+        return layers(*args)[packed.scored]
+
+    def _graphed(self, bucket: tuple, args: tuple) -> nn.Module:
+        addresses = self._refresh_and_address()
+        if addresses != self.addresses:  # recorded against other tensors: record again
+            self.graphs.clear()
+            self.addresses = addresses
+        layers = self.graphs.get(bucket)
+        if layers is not None:
+            self.graphs.move_to_end(bucket)
+            self.replays += 1
+            return layers
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        layers = torch.cuda.make_graphed_callables(
+            _Layers(self.model, bucket[3], bucket[4]),
+            args,
+            num_warmup_iters=2,
+            allow_unused_input=True,
+            pool=self.pool,
+        )
+        self.graphs[bucket] = layers
+        if len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.captures += 1
+        return layers
+
+    def _refresh_and_address(self) -> tuple:
+        """Refill LoRA's factors that the adapters' last change left stale (the graphs read
+        them, and replays do not run the code that refills them); the addresses the graphs
+        read: every layer parameter, packed projection and factor."""
+        model = self.model
+        dtype, device = model.model.embed_tokens.weight.dtype, model.device
+        addresses = [p.data_ptr() for p in model.model.layers.parameters()]
+        for layer in model.model.layers:
+            for packed in (layer.self_attn.qkv, layer.mlp.gate_up):
+                if packed is not None:
+                    addresses += [packed.weight.data_ptr(), packed.intact()]
+            for linears in layer_groups(layer).values():
+                if any(has_adapter(m) for m in linears):
+                    f = factors(linears, dtype, device)
+                    addresses += [f.a_cat.data_ptr(), f.b_bd.data_ptr()]
+        return tuple(addresses)

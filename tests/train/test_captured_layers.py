@@ -1,0 +1,142 @@
+"""The update's layers as CUDA graphs (`train/captured_layers.py`): the padded layout gives the
+unpadded layout's hidden states and gradients (CPU, fp32), and on a GPU (marked `gpu`) the
+replayed graphs give the eager layers' values and gradients, follow in-place weight changes, and
+record a bucket once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fastgrpo.rollout import Rollout
+from fastgrpo.train.captured_layers import CapturedLayers, pad_layout, serves
+from fastgrpo.train.logprobs import kept_hidden, pack_layout
+
+
+def random_rollout(vocab: int, device="cpu", seed: int = 0, groups=(3, 2, 1)) -> Rollout:
+    """Rows of left-padded prompts (each prompt shared by its group's rows) and completions
+    whose masks keep a prefix: some all, one a single token, one nothing."""
+    g = torch.Generator().manual_seed(seed)
+    Tp, Tc = 9, 12
+    prompt_ids, prompt_mask, completion_mask = [], [], []
+    for size in groups:
+        length = int(torch.randint(2, Tp + 1, (1,), generator=g))
+        prompt = torch.randint(1, vocab, (Tp,), generator=g)
+        mask = (torch.arange(Tp) >= Tp - length).long()
+        for _ in range(size):
+            prompt_ids.append(prompt * mask)
+            prompt_mask.append(mask)
+            kept = int(torch.randint(0, Tc + 1, (1,), generator=g))
+            completion_mask.append((torch.arange(Tc) < kept).long())
+    completion_mask[0] = torch.ones(Tc, dtype=torch.long)
+    completion_mask[1] = (torch.arange(Tc) < 1).long()
+    completion_mask[-1] = torch.zeros(Tc, dtype=torch.long)
+    B = len(prompt_ids)
+    return Rollout(
+        torch.stack(prompt_ids).to(device),
+        torch.stack(prompt_mask).to(device),
+        torch.randint(1, vocab, (B, Tc), generator=g).to(device),
+        torch.stack(completion_mask).to(device),
+        torch.ones(B, dtype=torch.bool, device=device),
+    )
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "own-prompts"])
+def test_the_padded_layout_gives_the_layouts_hidden_states_and_gradients(tiny_model, share):
+    """A filler sequence pads the tokens and the key rows to the bucket: every packed row and
+    key row in exactly one sequence, lengths rounded to powers of two; the kept tokens' hidden
+    states and every weight's gradient are those of the unpadded layout (fp32)."""
+    model, _ = tiny_model
+    rollout = random_rollout(model.config.vocab_size)
+    args = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask, share
+    layout = pack_layout(*args)
+    padded, bucket = pad_layout(layout, step=16, sequence_step=4)
+    T_b, Tk_b, sequences, max_q, max_k = bucket
+    T, Tk, N = layout.tokens.size, layout.cu_seqlens_k[-1], layout.cu_seqlens.size - 1
+    assert T_b % 16 == 0 and T_b - T <= 16 + 4 and Tk_b % 16 == 0 and Tk_b - Tk >= T_b - T
+    assert sequences % 4 == 0 and N < sequences <= N + 4
+    assert padded.tokens.size == padded.cu_seqlens[-1] == T_b
+    assert padded.key_rows.size == padded.cu_seqlens_k[-1] == Tk_b
+    assert padded.key_rows.max() < T_b and padded.cu_seqlens.size == sequences + 1
+    q_lengths, k_lengths = (np.diff(cu) for cu in (padded.cu_seqlens, padded.cu_seqlens_k))
+    assert (q_lengths[N:] >= 1).all() and (k_lengths[N:] >= q_lengths[N:]).all()
+    for lengths, longest in ((q_lengths, max_q), (k_lengths, max_k)):
+        assert longest & (longest - 1) == 0 and longest >= lengths.max()
+    w = torch.randn(int(rollout.completion_mask.sum()), model.config.hidden_size)
+    results = []
+    for use in (layout, padded):
+        packed = use.to_device("cpu")
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).view(-1)
+        attend = model.packed_attention(packed.cu_seqlens, use.max_seqlen, packed.keys)
+        model.zero_grad()
+        hidden = model(ids[packed.tokens], packed.positions, attend, position_bound=64)
+        hidden = hidden[packed.scored]
+        (hidden * w).sum().backward()
+        results.append((hidden.detach(), [p.grad.clone() for p in model.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):  # fp32, sums in another order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_the_graphs_serve_only_the_native_model_on_one_gpu(tiny_model):
+    model, _ = tiny_model
+    assert not serves(model)  # on the CPU
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cuda_model(lora: bool):
+    from fastgrpo.models.lora import LoraSettings, add_adapters
+    from tests.models.test_lora import randomise_adapters
+    from tests.models.test_transformer import FAMILIES, build_pair
+
+    _, model = build_pair(FAMILIES["llama3-untied-bias"]())
+    model = model.cuda().to(torch.bfloat16)
+    model.pack_projections()
+    if lora:
+        add_adapters(model, LoraSettings(rank=4, alpha=8.0))
+        for m in model.modules():  # adapters stay fp32 beside the bf16 base
+            if hasattr(m, "lora_A"):
+                m.lora_A.float(), m.lora_B.float()
+        randomise_adapters(model)
+    return model.train()
+
+
+def _hidden_and_grads(hidden_of, model, rollout, w):
+    params = [p for p in model.parameters() if p.requires_grad]
+    hidden = hidden_of(model, rollout)
+    grads = torch.autograd.grad((hidden.float() * w).sum(), params)
+    return hidden.detach().float(), [g.float() for g in grads]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_replayed_layers_give_the_eager_layers_values_and_gradients(lora):
+    """The graphs against the eager layers (bf16): hidden states and every trainable weight's
+    gradient, twice, with the weights changed in place between (as an optimizer step changes
+    them): the second call replays the recorded bucket and follows the new weights."""
+    model = _cuda_model(lora)
+    assert serves(model)
+    rollout = random_rollout(model.config.vocab_size, device="cuda")
+    captured = CapturedLayers(model)
+    w = torch.randn(int(rollout.completion_mask.sum()), model.config.hidden_size, device="cuda")
+    for _ in range(2):
+        want, want_grads = _hidden_and_grads(kept_hidden, model, rollout, w)
+        got, got_grads = _hidden_and_grads(captured.kept_hidden, model, rollout, w)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        for a, b in zip(got_grads, want_grads):
+            scale = b.abs().max().clamp(min=1e-6)
+            assert (a - b).abs().max() / scale < 3e-2
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * p.abs().mean() * 0.5)
+        if lora:
+            from fastgrpo.models.lora_train import adapters_stepped
+
+            adapters_stepped()  # what the trainer's optimizer announces after a step
+    assert (captured.captures, captured.replays) == (1, 1)
