@@ -126,7 +126,7 @@ class CapturedLayers:
 
     def __init__(self, model: Transformer):
         self.model = model
-        self.graphs: OrderedDict[tuple, nn.Module] = OrderedDict()
+        self.graphs: OrderedDict[tuple, nn.Module | str] = OrderedDict()  # or "seen" once
         self.pool = None
         self.addresses: tuple | None = None
         self.captures = self.replays = 0
@@ -149,29 +149,42 @@ class CapturedLayers:
         return layers(*args)[packed.scored]
 
     def _graphed(self, bucket: tuple, args: tuple) -> nn.Module:
+        """The bucket's graphed layers; the first time a bucket comes, its layers run eagerly
+        (what lazily initialises the kernels for its shapes), the second time they are
+        recorded, with no warm-up of their own. Recording needs no autograd graph of an
+        earlier pass alive: its parameters' gradient nodes would belong to another stream."""
         addresses = self._refresh_and_address()
         if addresses != self.addresses:  # recorded against other tensors: record again
             self.graphs.clear()
             self.addresses = addresses
         layers = self.graphs.get(bucket)
-        if layers is not None:
+        if isinstance(layers, nn.Module):
             self.graphs.move_to_end(bucket)
             self.replays += 1
             return layers
+        if layers is None:  # first seen: eagerly
+            self.graphs[bucket] = "seen"
+            self._drop_oldest()
+            return _Layers(self.model, bucket[3], bucket[4])
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        x, *rest = args  # recorded from a leaf: the embedding's node belongs to this stream
         layers = torch.cuda.make_graphed_callables(
             _Layers(self.model, bucket[3], bucket[4]),
-            args,
-            num_warmup_iters=2,
+            (x.detach().requires_grad_(x.requires_grad), *rest),
+            num_warmup_iters=0,
             allow_unused_input=True,
             pool=self.pool,
         )
         self.graphs[bucket] = layers
-        if len(self.graphs) > MAX_GRAPHS:
-            self.graphs.popitem(last=False)
+        self.graphs.move_to_end(bucket)
+        self._drop_oldest()
         self.captures += 1
         return layers
+
+    def _drop_oldest(self) -> None:
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
 
     def _refresh_and_address(self) -> tuple:
         """Refill LoRA's factors that the adapters' last change left stale (the graphs read

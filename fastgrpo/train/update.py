@@ -89,6 +89,7 @@ def _accumulate_gradients(
             last = i == len(mini.micro) - 1
             with optimizer.last_backward() if last else nullcontext():
                 value.backward()
+        value = value.detach()  # the pass's autograd graph dies here (captured_layers needs it)
         totals.add(value, metrics, mb)
         total += value.detach().float()
     run_idle_passes(model, mini.idle_passes, with_grad=True)

@@ -106,7 +106,7 @@ def _cuda_model(lora: bool):
 
 
 def _hidden_and_grads(hidden_of, model, rollout, w):
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.model.layers.parameters() if p.requires_grad]
     hidden = hidden_of(model, rollout)
     grads = torch.autograd.grad((hidden.float() * w).sum(), params)
     return hidden.detach().float(), [g.float() for g in grads]
@@ -116,15 +116,16 @@ def _hidden_and_grads(hidden_of, model, rollout, w):
 @gpu
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_replayed_layers_give_the_eager_layers_values_and_gradients(lora):
-    """The graphs against the eager layers (bf16): hidden states and every trainable weight's
-    gradient, twice, with the weights changed in place between (as an optimizer step changes
-    them): the second call replays the recorded bucket and follows the new weights."""
+    """The graphs against the eager layers (bf16): hidden states and every trainable layer
+    weight's gradient, three times, with the weights changed in place between (as an optimizer
+    step changes them): the bucket runs eagerly, is recorded, then replayed, and follows the new
+    weights."""
     model = _cuda_model(lora)
     assert serves(model)
     rollout = random_rollout(model.config.vocab_size, device="cuda")
     captured = CapturedLayers(model)
     w = torch.randn(int(rollout.completion_mask.sum()), model.config.hidden_size, device="cuda")
-    for _ in range(2):
+    for _ in range(3):
         want, want_grads = _hidden_and_grads(kept_hidden, model, rollout, w)
         got, got_grads = _hidden_and_grads(captured.kept_hidden, model, rollout, w)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
