@@ -80,7 +80,13 @@ def available_bytes(device) -> int:
     initialised in fp32 and cast to bf16 left ~14 GiB there: counted as taken, it halved the rows
     of each wave at 32,640 tokens (benchmarks/lab/probe_long_lora.py)."""
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(0, unused - GRAPH_POOLS_IDLE[0])
+
+
+# bytes that private CUDA-graph pools (the update's recorded layers, `train/captured_layers.py`)
+# reserve without a live tensor in them: unused to PyTorch's counters, yet never free for others
+GRAPH_POOLS_IDLE = [0]
 
 
 _CUT_SHORT = threading.Event()

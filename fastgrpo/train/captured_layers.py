@@ -35,6 +35,7 @@ from fastgrpo.models import Transformer
 from fastgrpo.models.attention import SharedKeys, flash_serves
 from fastgrpo.models.lora_decode import layer_groups
 from fastgrpo.models.lora_train import factors, has_adapter
+from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.logprobs import HostLayout, kept_hidden, pack_layout
 
@@ -120,9 +121,63 @@ class _Layers(nn.Module):
         return self.owner.train_layers(x, cos, sin, attend)
 
 
+class _Recorded:
+    """One bucket's layers recorded as a forward graph and a backward graph (the pattern of
+    `torch.cuda.make_graphed_callables`): called on new tensors of the recorded shapes, it copies
+    them into its static inputs and replays the forward; autograd's backward through it copies
+    the output's gradient in and replays the backward, which gives the gradients of x and of the
+    layers' trainable weights.
+
+    Unlike make_graphed_callables (torch 2.11), nothing of the recorded autograd graph is kept:
+    its weights' gradient nodes were made on the recording stream, and a replay on another
+    stream that reached them would synchronise the two for every weight."""
+
+    def __init__(self, module: _Layers, args: tuple, pool):
+        x, *rest = args
+        self.static_inputs = [x.detach().requires_grad_(x.requires_grad)] + [
+            t.detach().clone() for t in rest
+        ]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        wrt = [t for t in self.static_inputs if t.requires_grad] + self.params
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            out = module(*self.static_inputs)
+        self.grad_out = torch.empty_like(out)
+        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(out, wrt, self.grad_out, allow_unused=True)
+        self.out = out.detach()  # the recorded autograd graph dies with `out`
+        first = 1 if x.requires_grad else 0  # grads: x's (if it needs one), then the weights'
+        self.grads = [grads[0] if first else None] + [None] * len(rest) + list(grads[first:])
+
+    def __call__(self, *args):
+        return _Replay.apply(self, *args, *self.params)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recorded: _Recorded, *inputs):
+        for static, given in zip(recorded.static_inputs, inputs):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        recorded.forward_graph.replay()
+        ctx.recorded = recorded
+        return recorded.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        recorded = ctx.recorded
+        recorded.grad_out.copy_(grad)
+        recorded.backward_graph.replay()
+        # copies: autograd may keep a returned gradient as a weight's .grad, which the next
+        # replay would overwrite
+        return None, *(None if g is None else g.clone() for g in recorded.grads)
+
+
 class CapturedLayers:
     """`kept_hidden` for the update's micro-batches, its layers replayed from CUDA graphs (one
-    pair per bucket, recorded the first time a bucket comes). `captures` and `replays` count."""
+    pair per bucket, recorded the second time a bucket comes). `captures` and `replays` count;
+    `pool_bytes` is the memory the graphs hold (`torch.cuda.max_memory_allocated` does not see
+    it: the step's peak adds it)."""
 
     def __init__(self, model: Transformer):
         self.model = model
@@ -130,6 +185,7 @@ class CapturedLayers:
         self.pool = None
         self.addresses: tuple | None = None
         self.captures = self.replays = 0
+        self.pool_bytes = 0  # what the graphs' memory pool took from the GPU, held from then on
 
     def kept_hidden(self, model, rollout: Rollout) -> torch.Tensor:
         """(n, H) final hidden states predicting the kept completion tokens, as
@@ -148,34 +204,32 @@ class CapturedLayers:
         layers = self._graphed(bucket, args)
         return layers(*args)[packed.scored]
 
-    def _graphed(self, bucket: tuple, args: tuple) -> nn.Module:
-        """The bucket's graphed layers; the first time a bucket comes, its layers run eagerly
-        (what lazily initialises the kernels for its shapes), the second time they are
-        recorded, with no warm-up of their own. Recording needs no autograd graph of an
-        earlier pass alive: its parameters' gradient nodes would belong to another stream."""
+    def _graphed(self, bucket: tuple, args: tuple):
+        """The bucket's layers: eagerly the first time it comes (what lazily initialises the
+        kernels for its shapes), recorded the second time (`_Recorded`), replayed after."""
         addresses = self._refresh_and_address()
         if addresses != self.addresses:  # recorded against other tensors: record again
             self.graphs.clear()
             self.addresses = addresses
         layers = self.graphs.get(bucket)
-        if isinstance(layers, nn.Module):
+        if isinstance(layers, _Recorded):
             self.graphs.move_to_end(bucket)
             self.replays += 1
             return layers
+        module = _Layers(self.model, bucket[3], bucket[4])
         if layers is None:  # first seen: eagerly
             self.graphs[bucket] = "seen"
             self._drop_oldest()
-            return _Layers(self.model, bucket[3], bucket[4])
+            return module
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        x, *rest = args  # recorded from a leaf: the embedding's node belongs to this stream
-        layers = torch.cuda.make_graphed_callables(
-            _Layers(self.model, bucket[3], bucket[4]),
-            (x.detach().requires_grad_(x.requires_grad), *rest),
-            num_warmup_iters=0,
-            allow_unused_input=True,
-            pool=self.pool,
-        )
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        layers = _Recorded(module, args, self.pool)
+        grown = max(0, torch.cuda.memory_reserved() - reserved)
+        self.pool_bytes += grown
+        GRAPH_POOLS_IDLE[0] += max(0, grown - (torch.cuda.memory_allocated() - allocated))
         self.graphs[bucket] = layers
         self.graphs.move_to_end(bucket)
         self._drop_oldest()

@@ -140,6 +140,8 @@ def grpo_step(config: Config, trainer: Trainer, examples: list, more_examples=No
     record["time/step"] = step_time
     record["tokens_per_s"] = rollout.lengths.sum().item() / step_time
     record["peak_memory_gib"] = peak_memory_gib(model.device)
+    if trainer.captured is not None:  # the graphs' pool, which the allocator's peak leaves out
+        record["peak_memory_gib"] += trainer.captured.pool_bytes / 2**30
     if world is not None:  # the whole batch's record, on every rank (the guards read it)
         record["reward/std"] = batch_std.item()
         record = gather_record(record, world)

@@ -63,6 +63,8 @@ class Trainer:
     # the policy with its adapters added in the engine's GEMMs (lora.merge_for_rollout false)
     lora: LoraSettings | None = None
     lora_rollout: MergedWeights | DecodeAdapters | None = None
+    # the update's layers as CUDA graphs (train.cuda_graphs), None where they run eagerly
+    captured: CapturedLayers | None = None
     warned_short_batch: bool = False  # dynamic sampling said once that it ran out of rounds
     # set by the training loop: after each rollout, whether a stop signal abandons the step
     abandon_step: Callable[[], bool] | None = None
@@ -204,12 +206,12 @@ def check_lora(config: Config) -> None:
         )
 
 
-def _hidden_of(config: Config, model, fused: bool, world):
-    """How the fused loss gets its hidden states: through the layers' CUDA graphs where
-    train.cuda_graphs allows and they serve (`captured_layers.serves`), else eagerly."""
+def _captured_layers(config: Config, model, fused: bool, world) -> CapturedLayers | None:
+    """The update's layers as CUDA graphs where train.cuda_graphs allows and they serve the
+    fused loss (`captured_layers.serves`); None: they run eagerly."""
     if config.train.cuda_graphs == "auto" and fused and serves(model, world):
-        return CapturedLayers(model).kept_hidden
-    return kept_hidden
+        return CapturedLayers(model)
+    return None
 
 
 def check_fused_lm_head(config: Config, model) -> bool:
@@ -294,6 +296,7 @@ def build_trainer(
         reference_shards = ShardedFrozen(ref_model, world)
     # the native engine reads merged weights or adds the adapters itself; HF generate runs the
     # adapted model as it is
+    captured = _captured_layers(config, model, fused, world)
     lora_rollout = None
     if lora is not None and native:
         merge = config.lora.merge_for_rollout
@@ -307,7 +310,7 @@ def build_trainer(
         rewards if rewards is not None else build_rewards(config),
         stop_token_ids(tokenizer, model),
         settings,
-        choose_loss(settings, fused, _hidden_of(config, model, fused, world)),
+        choose_loss(settings, fused, kept_hidden if captured is None else captured.kept_hidden),
         fused,
         world if world is not None and world.size > 1 else None,
         parallel,
@@ -315,6 +318,7 @@ def build_trainer(
         fully_sharded,
         lora,
         lora_rollout,
+        captured,
     )
 
 

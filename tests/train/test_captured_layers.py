@@ -141,3 +141,28 @@ def test_replayed_layers_give_the_eager_layers_values_and_gradients(lora):
 
             adapters_stepped()  # what the trainer's optimizer announces after a step
     assert (captured.captures, captured.replays) == (1, 1)
+
+
+@pytest.mark.gpu
+@gpu
+def test_replayed_gradients_accumulate_into_the_weights_grads_as_eager_ones_do():
+    """Two micro-batches' backward passes through the replayed layers add up in each weight's
+    .grad (the first pass's gradient is not overwritten by the second replay): against the
+    eager layers' sum."""
+    model = _cuda_model(lora=True)
+    captured = CapturedLayers(model)
+    rollouts = [random_rollout(model.config.vocab_size, "cuda", seed) for seed in (1, 2)]
+    params = [p for p in model.model.layers.parameters() if p.requires_grad]
+    for _ in range(2):  # eagerly, then recorded: the next round replays
+        for rollout in rollouts:
+            captured.kept_hidden(model, rollout).float().sum().backward()
+    sums = []
+    for hidden_of in (kept_hidden, captured.kept_hidden):
+        for p in params:
+            p.grad = None
+        for rollout in rollouts:
+            (hidden_of(model, rollout).float() ** 2).mean().backward()
+        sums.append([p.grad.float().clone() for p in params])
+    assert captured.replays >= 2
+    for a, b in zip(sums[1], sums[0]):
+        assert (a - b).abs().max() / b.abs().max().clamp(min=1e-6) < 3e-2
