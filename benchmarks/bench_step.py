@@ -136,6 +136,7 @@ def step_config(args) -> Config:
     config.train.master_weights = getattr(args, "master_weights", "auto")
     config.train.parallel = getattr(args, "parallel", "auto")  # bench_scaling.py's jobs
     config.train.fsdp_free_engine_copy = getattr(args, "free_engine_copy", False)
+    config.train.cuda_graphs = getattr(args, "cuda_graphs", "auto")
     share = getattr(args, "zero_variance", 0.0)
     config.rewards = [{"function": tied_reward(share) if share else distinct_reward}]
     config.algo.dynamic_sampling = getattr(args, "dynamic_sampling", False)
@@ -438,6 +439,12 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "off"),
+        default="auto",
+        help="train.cuda_graphs: the update's layers as CUDA graphs (auto) or eager (off)",
+    )
     parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer")
     parser.add_argument(
         "--lora", type=int, default=0, metavar="R", help="also a LoRA run: rank R, all linears"
@@ -506,6 +513,7 @@ def main():
         "master_weights": args.master_weights,
         "lora_rank": args.lora,
         "lora_rollout": args.lora_rollout,
+        "cuda_graphs": args.cuda_graphs,
         "gradient_checkpointing": args.gradient_checkpointing,
         "zero_variance": args.zero_variance,
         "steps": args.steps,
