@@ -168,9 +168,11 @@ class _Replay(torch.autograd.Function):
         recorded = ctx.recorded
         recorded.grad_out.copy_(grad)
         recorded.backward_graph.replay()
-        # copies: autograd may keep a returned gradient as a weight's .grad, which the next
-        # replay would overwrite
-        return None, *(None if g is None else g.clone() for g in recorded.grads)
+        # copies (one multi-tensor launch): autograd may keep a returned gradient as a weight's
+        # .grad, which the next replay would overwrite
+        given = [g for g in recorded.grads if g is not None]
+        copies = iter(torch._foreach_mul(given, 1.0))
+        return None, *(None if g is None else next(copies) for g in recorded.grads)
 
 
 class CapturedLayers:
