@@ -1,6 +1,7 @@
 """`fastgrpo check`'s memory prediction against the peaks measured on GPUs and kept in
 benchmarks/results/: bench_memory.py's seven workloads (H200) and the longest 7B LoRA completion
-(H100, lab/probe_long_lora.py). The workloads' models are built on the meta device (shapes only),
+(H100, lab/probe_long_lora.py), and the 0.5B step with the update's layers eager and as CUDA
+graphs, full fine-tuning and LoRA (H100, bench_step.py --cuda-graphs). The workloads' models are built on the meta device (shapes only),
 so a change to the estimate is checked against every recorded peak on the CPU. A failure means the
 estimate moved away from what was measured, or the code's memory did and the peaks need measuring
 again (bench_memory.py, probe_long_lora.py)."""
@@ -44,6 +45,12 @@ def recorded() -> list[tuple[str, dict, float, float]]:
             completion_len=row["completion_len"],
         )  # fmt: skip
         out.append((f"7B LoRA {row['completion_len']} tokens", workload, row["peak_gib"], 79.18))
+    for line in json_lines("cuda_graphs_step_h100.json"):  # eager, then the layers as graphs
+        for row in line["results"]:
+            lora = line["workload"]["lora_rank"] if "LoRA" in row["method"] else 0
+            workload = dict(BASE, lora=lora, cuda_graphs=line["workload"]["cuda_graphs"])
+            name = f"0.5B {row['method']}, cuda_graphs {workload['cuda_graphs']}"
+            out.append((name, workload, row["peak_memory_gib"], 79.18))
     return out
 
 
@@ -51,7 +58,7 @@ def recorded() -> list[tuple[str, dict, float, float]]:
 def test_the_prediction_is_within_four_percent_of_each_recorded_peak(
     name, workload, measured, gpu_gib
 ):
-    args = argparse.Namespace(**workload, warmup=1, steps=1)
+    args = argparse.Namespace(**{"cuda_graphs": "off", **workload}, warmup=1, steps=1)
     config = step_config(args)
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_hf(hf_config(args.shape))).to(torch.bfloat16)
