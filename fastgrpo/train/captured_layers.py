@@ -25,6 +25,7 @@ serve (`serves`); elsewhere the layers run eagerly.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -60,6 +61,10 @@ def serves(model, world=None) -> bool:
     if not all(flash_serves(dtype, config.head_dim, w) for w in windows):
         return False
     return not any(getattr(m, "dropout", 0.0) and has_adapter(m) for m in model.modules())
+
+
+def _release_idle(idle: list[int]) -> None:
+    GRAPH_POOLS_IDLE[0] -= idle[0]
 
 
 def _power_of_two(n: int) -> int:
@@ -188,6 +193,8 @@ class CapturedLayers:
         self.addresses: tuple | None = None
         self.captures = self.replays = 0
         self.pool_bytes = 0  # what the graphs' memory pool took from the GPU, held from then on
+        self._idle = [0]  # its bytes without a live tensor, counted in GRAPH_POOLS_IDLE until
+        weakref.finalize(self, _release_idle, self._idle)  # this object (and its pool) goes
 
     def kept_hidden(self, model, rollout: Rollout) -> torch.Tensor:
         """(n, H) final hidden states predicting the kept completion tokens, as
@@ -231,7 +238,9 @@ class CapturedLayers:
         layers = _Recorded(module, args, self.pool)
         grown = max(0, torch.cuda.memory_reserved() - reserved)
         self.pool_bytes += grown
-        GRAPH_POOLS_IDLE[0] += max(0, grown - (torch.cuda.memory_allocated() - allocated))
+        idle = max(0, grown - (torch.cuda.memory_allocated() - allocated))
+        self._idle[0] += idle
+        GRAPH_POOLS_IDLE[0] += idle
         self.graphs[bucket] = layers
         self.graphs.move_to_end(bucket)
         self._drop_oldest()

@@ -51,6 +51,7 @@ from fastgrpo.models.lora import lora_modules
 from fastgrpo.rollout.engine import FREE_MEMORY_SHARE, prompt_capacity, row_bytes, wave_plan
 from fastgrpo.rollout.kv_cache import cache_bytes
 from fastgrpo.train.batching import plan_micro_batches
+from fastgrpo.train.captured_layers import SEQUENCE_STEP, TOKEN_STEP
 
 GIB = 2**30
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -239,8 +240,6 @@ def _graph_pool_extra(config: Config, model: nn.Module, tokens: int, activations
     the layers run eagerly."""
     if config.train.cuda_graphs == "off" or config.model.gradient_checkpointing:
         return 0
-    from fastgrpo.train.captured_layers import SEQUENCE_STEP, TOKEN_STEP
-
     padded = -(-(tokens + SEQUENCE_STEP) // TOKEN_STEP) * TOKEN_STEP
     layers = getattr(getattr(model, "model", None), "layers", None)
     grads = (

@@ -50,6 +50,7 @@ CHANGEABLE = frozenset(
         "train.max_grad_norm",
         "train.micro_batch_tokens",
         "train.fused_lm_head",
+        "train.cuda_graphs",
         "train.parallel",  # replicated and sharded continue each other; fsdp only itself (one line)
         "train.reward_timeout",  # a run stopped by a slow reward resumes with a longer limit
         "eval.num_problems",

@@ -166,3 +166,19 @@ def test_replayed_gradients_accumulate_into_the_weights_grads_as_eager_ones_do()
     assert captured.replays >= 2
     for a, b in zip(sums[1], sums[0]):
         assert (a - b).abs().max() / b.abs().max().clamp(min=1e-6) < 3e-2
+
+
+def test_the_engines_budget_gets_a_dropped_trainers_idle_graph_memory_back(tiny_model):
+    """The pool's idle bytes stay out of the engine's budget (`engine.GRAPH_POOLS_IDLE`) only while
+    the CapturedLayers that recorded into it exists (a benchmark builds several trainers)."""
+    import gc
+
+    from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
+
+    before = GRAPH_POOLS_IDLE[0]
+    captured = CapturedLayers(tiny_model[0])
+    captured._idle[0] += 1000  # as a recording would
+    GRAPH_POOLS_IDLE[0] += 1000
+    del captured
+    gc.collect()
+    assert GRAPH_POOLS_IDLE[0] == before
