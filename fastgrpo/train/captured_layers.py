@@ -38,7 +38,7 @@ from fastgrpo.models.lora_decode import layer_groups
 from fastgrpo.models.lora_train import factors, has_adapter
 from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
 from fastgrpo.rollout.types import Rollout
-from fastgrpo.train.logprobs import HostLayout, kept_hidden, pack_layout
+from fastgrpo.train.logprobs import HostLayout, kept_hidden, layout_of
 
 TOKEN_STEP = 512  # packed tokens (and key rows) are padded up to a multiple of this
 SEQUENCE_STEP = 8  # and the sequences (filler sequences added) to a multiple of this
@@ -105,6 +105,7 @@ def pad_layout(
         max_seqlen=_power_of_two(max(layout.max_seqlen, int(q_len.max()))),
         max_seqlen_k=_power_of_two(max(layout.max_seqlen_k, int(k_len.max()))),
         position_bound=max(layout.position_bound, int(q_len.max())),
+        kept=layout.kept,
     )
     bucket = (T_b, Tk_b, N + fillers, padded.max_seqlen, padded.max_seqlen_k)
     return padded, bucket
@@ -201,7 +202,7 @@ class CapturedLayers:
         `logprobs.kept_hidden` gives them; with autograd (the update), through the graphs."""
         if model is not self.model or not (torch.is_grad_enabled() and model.training):
             return kept_hidden(model, rollout)
-        layout = pack_layout(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)
+        layout = layout_of(rollout)
         if layout is None:
             return kept_hidden(model, rollout)
         padded, bucket = pad_layout(layout)

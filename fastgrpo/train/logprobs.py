@@ -100,7 +100,8 @@ def kept_hidden(model, rollout: Rollout) -> torch.Tensor:
     """
     if not isinstance(model, Transformer):
         return completion_hidden(model, rollout)[rollout.completion_mask.bool()]
-    packed = pack_rows(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)
+    layout = layout_of(rollout)
+    packed = None if layout is None else layout.to_device(rollout.prompt_ids.device)
     if packed is None:  # nothing kept
         return rollout.prompt_ids.new_zeros(
             0, model.config.hidden_size, dtype=model.lm_head_weight.dtype
@@ -153,6 +154,7 @@ class HostLayout:
     max_seqlen: int
     max_seqlen_k: int
     position_bound: int
+    kept: np.ndarray  # (n,) each kept completion token's place in the flattened (B * Tc) rows
 
     def to_device(self, device) -> PackedRows:
         parts = [self.tokens, self.positions, self.scored, self.cu_seqlens, self.cu_seqlens_k]
@@ -270,6 +272,7 @@ def pack_layout(
         max_seqlen=int(q_lengths.max()),
         max_seqlen_k=int(k_lengths.max()),
         position_bound=int((first_position + length).max()),
+        kept=_ranges(live * completion_mask.shape[1], n_kept),
     )
 
 
@@ -282,6 +285,33 @@ def pack_rows(
     """`pack_layout` on the device: one copy (None when no row keeps a token)."""
     layout = pack_layout(prompt_ids, prompt_mask, completion_mask, share_prompts)
     return None if layout is None else layout.to_device(prompt_ids.device)
+
+
+def layout_of(rollout: Rollout, share_prompts: bool | None = None) -> HostLayout | None:
+    """`pack_layout` of the rollout's rows, kept on the rollout (for the same tensors, values
+    and sharing): the update computes every micro-batch's before its passes, so the passes
+    themselves read nothing back from the device and the host can queue ahead of the GPU."""
+    share = SHARE_PROMPTS if share_prompts is None else share_prompts
+    tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask)
+    key = (share, *((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors))
+    cached = rollout.__dict__.get(_LAYOUT)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    layout = pack_layout(*tensors, share)
+    rollout.__dict__[_LAYOUT] = (key, layout)
+    return layout
+
+
+_LAYOUT = "_packed_layout"  # a Rollout's attribute: (key, HostLayout or None)
+
+
+def kept_index(rollout: Rollout) -> torch.Tensor:
+    """(n,) int64 on the rollout's device: where each kept completion token is in the flattened
+    (B * Tc) completion tensors, in mask order. `x.reshape(-1)[kept_index(r)]` is `x[mask]`
+    without the host read a boolean mask costs, from the layout (`layout_of`)."""
+    layout = layout_of(rollout)
+    kept = np.zeros(0, dtype=np.int64) if layout is None else layout.kept
+    return to_device(torch.from_numpy(kept), rollout.prompt_ids.device)
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -28,7 +28,13 @@ from fastgrpo.kernels.train.lm_head_grpo_loss import (
 )
 from fastgrpo.kernels.train.token_loss import TOKEN_LEVEL_LOSSES
 from fastgrpo.train.batching import MicroBatch
-from fastgrpo.train.logprobs import completion_logprobs, kept_hidden, lm_head_weight, unpack
+from fastgrpo.train.logprobs import (
+    completion_logprobs,
+    kept_hidden,
+    kept_index,
+    lm_head_weight,
+    unpack,
+)
 
 # the settings the fused kernel takes per token (the others shape the whole batch's loss)
 PER_TOKEN_SETTINGS = (
@@ -152,13 +158,14 @@ def fused_token_loss(
         max_completion_length=settings.max_completion_length,
     )  # (b, Tc)
     rows = mb.advantages[:, None].expand_as(mask)  # (b, Tc)
-    pick = lambda x: None if x is None else x[keep]  # noqa: E731
+    index = kept_index(mb.rollout)  # (n,): x[keep] with no host read
+    pick = lambda x: None if x is None else x.reshape(-1)[index]  # noqa: E731
     loss, logp, entropy = lm_head_grpo_loss(
         hidden_of(model, mb.rollout),  # (n, H)
         lm_head_weight(model),  # (V, H)
-        mb.rollout.completion_ids[keep],
-        weights[keep],
-        rows[keep],
+        pick(mb.rollout.completion_ids),
+        pick(weights),
+        pick(rows),
         old_logp=pick(mb.old_logp),
         ref_logp=pick(mb.ref_logp),
         sampling_logp=pick(mb.rollout.sampling_logp),
@@ -187,7 +194,7 @@ def fused_sequence_loss(
     loss, logp, entropy = lm_head_policy_loss(
         hidden_of(model, mb.rollout),
         lm_head_weight(model),
-        mb.rollout.completion_ids[keep],
+        mb.rollout.completion_ids.reshape(-1)[kept_index(mb.rollout)],
         whole_loss,
         temperature=settings.temperature,
         fused=True,

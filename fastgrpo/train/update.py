@@ -14,7 +14,7 @@ import torch
 
 from fastgrpo.kernels.support import interpreting, kernel_dtype, triton
 from fastgrpo.train.batching import MicroBatch, MiniBatch
-from fastgrpo.train.logprobs import lm_head_weight
+from fastgrpo.train.logprobs import layout_of, lm_head_weight
 from fastgrpo.train.optim import ModelOptimizer
 from fastgrpo.train.profiling import PhaseTimer
 from fastgrpo.train.scoring import run_idle_passes
@@ -65,6 +65,8 @@ def update_policy(
     """
     totals = _Totals(device=next(model.parameters()).device)
     model.train()
+    for mb in {id(mb): mb for mini in plan for mb in mini.micro}.values():
+        layout_of(mb.rollout)  # each micro-batch's host read now: none inside the passes
     with timer("update"):
         for mini in [mini for _ in range(num_iterations) for mini in plan]:
             optimizer.zero_grad()

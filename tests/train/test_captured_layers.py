@@ -182,3 +182,47 @@ def test_the_engines_budget_gets_a_dropped_trainers_idle_graph_memory_back(tiny_
     del captured
     gc.collect()
     assert GRAPH_POOLS_IDLE[0] == before
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_an_update_replaying_the_graphs_reads_nothing_back_from_the_gpu(lora):
+    """Once every bucket is recorded, the update's forward and backward passes make no host
+    read of the device (torch's sync debug mode raises on one): the layouts are computed before
+    the passes and the loss indexes its tokens without a boolean mask."""
+    import argparse
+
+    from benchmarks.bench_step import fastgrpo_trainer, random_prompts, synthetic_tokenizer
+    from fastgrpo.train import update as update_module
+    from fastgrpo.train.step import grpo_step
+
+    args = argparse.Namespace(
+        shape="tiny", prompts=4, samples=4, prompt_len=16, completion_len=24, beta=0.04,
+        micro_batch_tokens=128, warmup=3, steps=1,
+    )  # fmt: skip
+    tokenizer = synthetic_tokenizer(1024)
+    prompts = random_prompts(args.prompts, args.prompt_len, 1024, tokenizer)
+    config, trainer, examples = fastgrpo_trainer(
+        args, torch.device("cuda"), torch.bfloat16, tokenizer, prompts, lora_rank=lora
+    )
+    assert trainer.captured is not None
+    torch.manual_seed(0)
+    for _ in range(args.warmup):  # each bucket: eagerly, then recorded
+        grpo_step(config, trainer, examples)
+    original = update_module._accumulate_gradients
+
+    def strict(*a, **k):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    update_module._accumulate_gradients = strict
+    try:
+        replays = trainer.captured.replays
+        grpo_step(config, trainer, examples)
+    finally:
+        update_module._accumulate_gradients = original
+    assert trainer.captured.replays > replays
