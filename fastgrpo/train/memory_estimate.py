@@ -92,6 +92,12 @@ class MemoryEstimate:
                     f"  lora.merge_for_rollout=false keeps no merged copies: {merged / GIB:.1f} GiB "
                     "less, for slower rollouts"
                 )
+            graphs = self.parts.get("cuda graphs", 0)
+            if self.peak > device_bytes and graphs:
+                out.append(
+                    f"  train.cuda_graphs=off runs the update's layers eagerly: {graphs / GIB:.1f} "
+                    "GiB less, for a slower update on small models"
+                )
             close = NEAR_FULL * device_bytes < self.peak <= device_bytes
             if close and "expandable_segments:True" not in os.environ.get(ALLOC_CONF, ""):
                 out.append(
