@@ -10,11 +10,15 @@ How: a micro-batch's packed layout (`logprobs.pack_layout`) is padded to a bucke
 its tokens up to the next multiple of TOKEN_STEP and its sequences up to a multiple of
 SEQUENCE_STEP by filler sequences whose keys are their own rows (so every packed row and every
 key row belongs to exactly one sequence, and every query sees a key), its keys likewise, its
-longest lengths up to powers of two. Per bucket,
-`torch.cuda.make_graphed_callables` records the layers from the embeddings to the final norm
-(`Transformer.train_layers`) as a forward graph and a backward graph, all buckets sharing one
-memory pool. The embedding, the RoPE tables, the packing and the loss stay eager; the filler's
-hidden states are never scored, so its gradients are zero.
+longest lengths up to powers of two. The first time a bucket comes its layers run eagerly; the
+second time the layers from the embeddings to the final norm (`Transformer.train_layers`) are
+recorded as a forward graph and a backward graph (`_Recorded`, the pattern of
+`torch.cuda.make_graphed_callables`), all buckets sharing one memory pool; then replayed. Each
+forward replay is followed by its own backward before another bucket replays, which is what
+makes sharing the pool safe. The embedding, the RoPE tables and the loss stay eager; the
+filler's hidden states are never scored, so its gradients are zero. The update computes every
+micro-batch's layout before its passes (`logprobs.layout_of`), so the passes read nothing back
+from the GPU and the host queues ahead of it.
 
 The graphs read the weights (and LoRA's factors, refilled in place) at the addresses they had when
 recorded; a change of address (a reload, a repack) records them again. Used on one GPU for the
@@ -189,7 +193,7 @@ class CapturedLayers:
 
     def __init__(self, model: Transformer):
         self.model = model
-        self.graphs: OrderedDict[tuple, nn.Module | str] = OrderedDict()  # or "seen" once
+        self.graphs: OrderedDict[tuple, _Recorded | str] = OrderedDict()  # or "seen" once
         self.pool = None
         self.addresses: tuple | None = None
         self.captures = self.replays = 0
