@@ -28,6 +28,7 @@ serve (`serves`); elsewhere the layers run eagerly.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections import OrderedDict
@@ -43,6 +44,8 @@ from fastgrpo.models.lora_train import factors, has_adapter
 from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.logprobs import HostLayout, kept_hidden, layout_of
+
+log = logging.getLogger("fastgrpo.train")
 
 TOKEN_STEP = 512  # packed tokens (and key rows) are padded up to a multiple of this
 SEQUENCE_STEP = 8  # and the sequences (filler sequences added) to a multiple of this
@@ -197,6 +200,7 @@ class CapturedLayers:
         self.pool = None
         self.addresses: tuple | None = None
         self.captures = self.replays = 0
+        self.failed = False  # a recording raised: the layers run eagerly from then on
         self.pool_bytes = 0  # what the graphs' memory pool took from the GPU, held from then on
         self._idle = [0]  # its bytes without a live tensor, counted in GRAPH_POOLS_IDLE until
         weakref.finalize(self, _release_idle, self._idle)  # this object (and its pool) goes
@@ -235,12 +239,23 @@ class CapturedLayers:
             self.graphs[bucket] = "seen"
             self._drop_oldest()
             return module
+        if self.failed:
+            return module
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-        layers = _Recorded(module, args, self.pool)
+        try:
+            layers = _Recorded(module, args, self.pool)
+        except RuntimeError as error:  # an operation CUDA graphs cannot record
+            self.failed = True
+            log.warning(
+                "the update's layers could not be recorded as CUDA graphs (%s); they run "
+                "eagerly from now on (train.cuda_graphs=off skips the attempt)",
+                str(error).splitlines()[0][:200],
+            )
+            return module
         grown = max(0, torch.cuda.memory_reserved() - reserved)
         self.pool_bytes += grown
         idle = max(0, grown - (torch.cuda.memory_allocated() - allocated))

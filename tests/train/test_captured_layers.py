@@ -226,3 +226,33 @@ def test_an_update_replaying_the_graphs_reads_nothing_back_from_the_gpu(lora):
     finally:
         update_module._accumulate_gradients = original
     assert trainer.captured.replays > replays
+
+
+def test_a_bucket_that_cannot_be_recorded_leaves_the_layers_eager_with_one_warning(
+    tiny_model, monkeypatch, caplog
+):
+    """A recording that raises (an operation CUDA graphs cannot hold) does not stop the run:
+    that bucket and every later one run eagerly, said once. Here on the CPU, with the CUDA
+    calls around the recording stood in for."""
+    from fastgrpo.train import captured_layers
+
+    model, _ = tiny_model
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+
+    def refuse(self, *args):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(captured_layers._Recorded, "__init__", refuse)
+    captured = CapturedLayers(model)
+    x = torch.zeros(3, model.config.hidden_size)
+    runs = [captured._graphed((512, 512, 8, 64, 64), (x,)) for _ in range(3)]
+    runs.append(captured._graphed((1024, 1024, 8, 64, 64), (x,)))
+    runs.append(captured._graphed((1024, 1024, 8, 64, 64), (x,)))
+    assert all(isinstance(r, captured_layers._Layers) for r in runs)
+    assert captured.failed and captured.captures == captured.replays == 0
+    warnings = [r for r in caplog.records if "could not be recorded" in r.getMessage()]
+    assert len(warnings) == 1 and "more" not in warnings[0].getMessage()
