@@ -7,8 +7,8 @@ forward and backward passes take ~190 ms of host time for ~128 ms of GPU work, a
 not arithmetic, set the pace.
 
 How: a micro-batch's packed layout (`logprobs.pack_layout`) is padded to a bucket (`pad_layout`):
-its tokens up to the next multiple of TOKEN_STEP and its sequences up to a multiple of
-SEQUENCE_STEP by filler sequences whose keys are their own rows (so every packed row and every
+its tokens up to the next multiple of `token_step` (an eighth of the micro-batch budget) and its
+sequences up to a multiple of SEQUENCE_STEP by filler sequences whose keys are their own rows (so every packed row and every
 key row belongs to exactly one sequence, and every query sees a key), its keys likewise, its
 longest lengths up to powers of two. The first time a bucket comes its layers run eagerly; the
 second time the layers from the embeddings to the final norm (`Transformer.train_layers`) are
@@ -47,8 +47,9 @@ from fastgrpo.train.logprobs import HostLayout, kept_hidden, layout_of
 
 log = logging.getLogger("fastgrpo.train")
 
-TOKEN_STEP = 512  # packed tokens (and key rows) are padded up to a multiple of this
-SEQUENCE_STEP = 8  # and the sequences (filler sequences added) to a multiple of this
+BUCKETS_PER_BUDGET = 8  # packed tokens (and key rows) padded to a multiple of budget / this
+MIN_TOKEN_STEP = 512
+SEQUENCE_STEP = 16  # and the sequences (filler sequences added) to a multiple of this
 MAX_GRAPHS = 8  # buckets kept recorded; the least recently used is dropped beyond
 
 
@@ -70,6 +71,18 @@ def serves(model, world=None) -> bool:
     return not any(getattr(m, "dropout", 0.0) and has_adapter(m) for m in model.modules())
 
 
+def token_step(micro_batch_tokens: int) -> int:
+    """The padding step of a micro-batch's tokens for a train.micro_batch_tokens budget: an
+    eighth of it (a multiple of 128), at least MIN_TOKEN_STEP. Coarse on purpose: on simulated
+    batches of varied lengths at a 12,288-token budget, 512-token steps made 20-66 buckets and
+    replayed 6-38% of the micro-batches (the rest ran eagerly or were being recorded); an eighth
+    (1,536) made 7-18 buckets and replayed 81-85%, padding the tokens by 7-11%
+    (benchmarks/results/graph_buckets_cpu.txt). The quick start's micro-batches of ~700 tokens
+    are padded to 1,536: more work for a small model whose update the host, not the GPU, sets."""
+    eighth = -(-micro_batch_tokens // BUCKETS_PER_BUDGET)
+    return max(MIN_TOKEN_STEP, -(-eighth // 128) * 128)
+
+
 def _release_idle(idle: list[int]) -> None:
     GRAPH_POOLS_IDLE[0] -= idle[0]
 
@@ -85,7 +98,7 @@ def _split(total: int, parts: int) -> np.ndarray:
 
 
 def pad_layout(
-    layout: HostLayout, step: int = TOKEN_STEP, sequence_step: int = SEQUENCE_STEP
+    layout: HostLayout, step: int, sequence_step: int = SEQUENCE_STEP
 ) -> tuple[HostLayout, tuple]:
     """`layout` padded to its bucket, and the bucket: (tokens, key rows, sequences, longest
     queries, longest keys). Filler sequences (1 to `sequence_step` of them, so the sequences
@@ -143,9 +156,11 @@ class _Recorded:
 
     Unlike make_graphed_callables (torch 2.11), nothing of the recorded autograd graph is kept:
     its weights' gradient nodes were made on the recording stream, and a replay on another
-    stream that reached them would synchronise the two for every weight."""
+    stream that reached them would synchronise the two for every weight. And the weights'
+    gradients are written into buffers all buckets share, so the graphs hold one set of them
+    whatever their number (0.67 GiB each at the 0.5B shape, full fine-tuning)."""
 
-    def __init__(self, module: _Layers, args: tuple, pool):
+    def __init__(self, module: _Layers, args: tuple, pool, grad_buffers: list[torch.Tensor]):
         x, *rest = args
         self.static_inputs = [x.detach().requires_grad_(x.requires_grad)] + [
             t.detach().clone() for t in rest
@@ -156,11 +171,18 @@ class _Recorded:
         with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
             out = module(*self.static_inputs)
         self.grad_out = torch.empty_like(out)
+        first = 1 if x.requires_grad else 0  # grads: x's (if it needs one), then the weights'
         with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(out, wrt, self.grad_out, allow_unused=True)
+            # the weights' gradients end in buffers every bucket shares (`grad_buffers`, made
+            # once outside the pool): the graphs' own die here, and the pool reuses them
+            used = [(b, g) for b, g in zip(grad_buffers, grads[first:]) if g is not None]
+            if used:
+                torch._foreach_copy_([b for b, _ in used], [g for _, g in used])
         self.out = out.detach()  # the recorded autograd graph dies with `out`
-        first = 1 if x.requires_grad else 0  # grads: x's (if it needs one), then the weights'
-        self.grads = [grads[0] if first else None] + [None] * len(rest) + list(grads[first:])
+        weights = [None if g is None else b for b, g in zip(grad_buffers, grads[first:])]
+        self.grads = [grads[0] if first else None] + [None] * len(rest) + weights
+        del grads, used
 
     def __call__(self, *args):
         return _Replay.apply(self, *args, *self.params)
@@ -194,13 +216,15 @@ class CapturedLayers:
     `pool_bytes` is the memory the graphs hold (`torch.cuda.max_memory_allocated` does not see
     it: the step's peak adds it)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, step: int = MIN_TOKEN_STEP):
         self.model = model
+        self.step = step  # tokens and key rows padded to a multiple of this (`token_step`)
         self.graphs: OrderedDict[tuple, _Recorded | str] = OrderedDict()  # or "seen" once
         self.pool = None
         self.addresses: tuple | None = None
         self.captures = self.replays = 0
         self.failed = False  # a recording raised: the layers run eagerly from then on
+        self.grad_buffers: list[torch.Tensor] | None = None
         self.pool_bytes = 0  # what the graphs' memory pool took from the GPU, held from then on
         self._idle = [0]  # its bytes without a live tensor, counted in GRAPH_POOLS_IDLE until
         weakref.finalize(self, _release_idle, self._idle)  # this object (and its pool) goes
@@ -213,7 +237,7 @@ class CapturedLayers:
         layout = layout_of(rollout)
         if layout is None:
             return kept_hidden(model, rollout)
-        padded, bucket = pad_layout(layout)
+        padded, bucket = pad_layout(layout, self.step)
         packed = padded.to_device(rollout.prompt_ids.device)
         ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1).view(-1)
         x = model.model.embed_tokens(ids[packed.tokens])  # (T_b, H)
@@ -228,6 +252,7 @@ class CapturedLayers:
         addresses = self._refresh_and_address()
         if addresses != self.addresses:  # recorded against other tensors: record again
             self.graphs.clear()
+            self.grad_buffers = None
             self.addresses = addresses
         layers = self.graphs.get(bucket)
         if isinstance(layers, _Recorded):
@@ -243,11 +268,15 @@ class CapturedLayers:
             return module
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        if self.grad_buffers is None:  # the weights' gradients, shared by every bucket
+            self.grad_buffers = [
+                torch.empty_like(p) for p in module.parameters() if p.requires_grad
+            ]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
         try:
-            layers = _Recorded(module, args, self.pool)
+            layers = _Recorded(module, args, self.pool, self.grad_buffers)
         except RuntimeError as error:  # an operation CUDA graphs cannot record
             self.failed = True
             log.warning(

@@ -26,11 +26,11 @@ one process with the native model:
 - LM head: the fused loss's logits chunk (at most 640 MiB), the hidden states' gradient in fp32,
   and the head's weight gradient when the head trains.
 - CUDA graphs (`train.cuda_graphs`, without gradient checkpointing; `train/captured_layers.py`):
-  their pool keeps the activations of a micro-batch padded to its bucket (the padding counted
-  here) from one step to the next, and the trainable layer weights' gradients twice (the
-  graphs' own, and the copies autograd keeps). At the 0.5B shape on an H100 this predicts
-  18.45 GiB for 17.79 measured, and 9.43 for 9.36 with LoRA (benchmarks/results/
-  cuda_graphs_step_h100.json).
+  their pool keeps the activations of a micro-batch padded to its bucket from one step to the
+  next (through the optimizer step too; half a padding step counted, the average), and the
+  trainable layer weights' gradients that the graphs write (autograd's copies are the gradients
+  above). At the 0.5B shape on an H100: 17.98 GiB for 17.79 measured, 9.60 for
+  9.36 with LoRA (benchmarks/results/cuda_graphs_step_h100.json).
 
 The peak is the backward's (weights + optimizer state + gradients + KV cache + activations + LM
 head) or the optimizer step's (fp32 gradient buffer instead of activations), whichever is larger.
@@ -51,7 +51,7 @@ from fastgrpo.models.lora import lora_modules
 from fastgrpo.rollout.engine import FREE_MEMORY_SHARE, prompt_capacity, row_bytes, wave_plan
 from fastgrpo.rollout.kv_cache import cache_bytes
 from fastgrpo.train.batching import plan_micro_batches
-from fastgrpo.train.captured_layers import SEQUENCE_STEP, TOKEN_STEP
+from fastgrpo.train.captured_layers import SEQUENCE_STEP, token_step
 
 GIB = 2**30
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -242,18 +242,19 @@ def estimate_memory(
 
 def _graph_pool_extra(config: Config, model: nn.Module, tokens: int, activations: int) -> int:
     """What the update's CUDA graphs hold beyond the eager path's activations: the padding of
-    the micro-batch to its bucket, and the trainable layer weights' gradients twice; 0 where
-    the layers run eagerly."""
+    the micro-batch to its bucket, and the trainable layer weights' gradients that the graphs
+    write (autograd's copies of them are the gradients counted already); 0 where the layers run
+    eagerly."""
     if config.train.cuda_graphs == "off" or config.model.gradient_checkpointing:
         return 0
-    padded = -(-(tokens + SEQUENCE_STEP) // TOKEN_STEP) * TOKEN_STEP
+    padding = token_step(config.train.micro_batch_tokens) // 2 + SEQUENCE_STEP  # on average
     layers = getattr(getattr(model, "model", None), "layers", None)
     grads = (
         0
         if layers is None
         else sum(p.numel() * p.element_size() for p in layers.parameters() if p.requires_grad)
     )
-    return activations * (padded - tokens) // max(tokens, 1) + 2 * grads
+    return activations * padding // max(tokens, 1) + grads
 
 
 def longest_completion(

@@ -28,7 +28,7 @@ from fastgrpo.models.lora import (
 )
 from fastgrpo.models.lora_decode import DecodeAdapters
 from fastgrpo.rewards import RewardSet
-from fastgrpo.train.captured_layers import CapturedLayers, serves
+from fastgrpo.train.captured_layers import CapturedLayers, serves, token_step
 from fastgrpo.train.logprobs import kept_hidden
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
 from fastgrpo.train.parallel import choose_parallel
@@ -210,7 +210,7 @@ def _captured_layers(config: Config, model, fused: bool, world) -> CapturedLayer
     """The update's layers as CUDA graphs where train.cuda_graphs allows and they serve the
     fused loss (`captured_layers.serves`); None: they run eagerly."""
     if config.train.cuda_graphs == "auto" and fused and serves(model, world):
-        return CapturedLayers(model)
+        return CapturedLayers(model, token_step(config.train.micro_batch_tokens))
     return None
 
 

@@ -51,7 +51,7 @@ def test_the_padded_layout_gives_the_layouts_hidden_states_and_gradients(tiny_mo
     rollout = random_rollout(model.config.vocab_size)
     args = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_mask, share
     layout = pack_layout(*args)
-    padded, bucket = pad_layout(layout, step=16, sequence_step=4)
+    padded, bucket = pad_layout(layout, 16, sequence_step=4)
     T_b, Tk_b, sequences, max_q, max_k = bucket
     T, Tk, N = layout.tokens.size, layout.cu_seqlens_k[-1], layout.cu_seqlens.size - 1
     assert T_b % 16 == 0 and T_b - T <= 16 + 4 and Tk_b % 16 == 0 and Tk_b - Tk >= T_b - T
@@ -256,3 +256,10 @@ def test_a_bucket_that_cannot_be_recorded_leaves_the_layers_eager_with_one_warni
     assert captured.failed and captured.captures == captured.replays == 0
     warnings = [r for r in caplog.records if "could not be recorded" in r.getMessage()]
     assert len(warnings) == 1 and "more" not in warnings[0].getMessage()
+
+
+def test_the_token_step_is_an_eighth_of_the_budget_in_multiples_of_128_and_at_least_512():
+    from fastgrpo.train.captured_layers import token_step
+
+    assert token_step(12288) == 1536 and token_step(16384) == 2048 and token_step(2048) == 512
+    assert token_step(10000) == 1280  # 1250 rounded up to a multiple of 128

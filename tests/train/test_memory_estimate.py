@@ -124,18 +124,19 @@ def test_a_prediction_near_the_gpus_size_suggests_expandable_segments(monkeypatc
 
 
 def test_the_update_graphs_part_is_the_bucket_padding_and_the_layer_gradients_twice():
-    """train.cuda_graphs: the pool holds a micro-batch padded to its bucket and the trainable
-    layer weights' gradients twice, through the optimizer step too; off or under gradient
-    checkpointing there is no such part, and a run that does not fit is told what off saves."""
-    from fastgrpo.train.captured_layers import SEQUENCE_STEP, TOKEN_STEP
+    """train.cuda_graphs: the pool holds a micro-batch padded to its bucket (half a step on
+    average) and the gradients the graphs write of the trainable layer weights, through the
+    optimizer step too; off or under gradient checkpointing there is no such part, and a run
+    that does not fit is told what off saves."""
+    from fastgrpo.train.captured_layers import SEQUENCE_STEP, token_step
 
     model = bf16_model()
     on = estimate_memory(small_config(), model, prompt_len=10)
     off = estimate_memory(small_config(**{"train.cuda_graphs": "off"}), model, prompt_len=10)
     grads = sum(p.numel() * 2 for p in model.model.layers.parameters())
     tokens, kept = on.micro_batch_tokens, on.parts["activations"]
-    padded = -(-(tokens + SEQUENCE_STEP) // TOKEN_STEP) * TOKEN_STEP
-    assert on.parts["cuda graphs"] == kept * (padded - tokens) // tokens + 2 * grads
+    padding = token_step(small_config().train.micro_batch_tokens) // 2 + SEQUENCE_STEP
+    assert on.parts["cuda graphs"] == kept * padding // tokens + grads
     assert "cuda graphs" not in off.parts and on.peak > off.peak
     checkpointed = small_config(**{"model.gradient_checkpointing": True})
     assert "cuda graphs" not in estimate_memory(checkpointed, model, prompt_len=10).parts
