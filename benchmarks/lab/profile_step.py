@@ -87,6 +87,9 @@ def main():
     parser.add_argument("--top", type=int, default=25, help="update kernels listed")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
+        "--cuda-graphs", choices=("auto", "off"), default="auto", help="train.cuda_graphs"
+    )
+    parser.add_argument(
         "--cprofile", type=int, default=0, help="also run a step under cProfile; rows to print"
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")

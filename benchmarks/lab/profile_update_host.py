@@ -92,7 +92,8 @@ def run(args, lora_rank: int) -> dict:
         text = io.StringIO()
         pstats.Stats(profiler[0], stream=text).sort_stats("tottime").print_stats(args.rows)
         return {
-            "mode": f"LoRA r={lora_rank}" if lora_rank else "full",
+            "mode": (f"LoRA r={lora_rank}" if lora_rank else "full")
+            + f", cuda_graphs {args.cuda_graphs}",
             "s_per_step": sorted(steps)[len(steps) // 2],
             "phases_ms": phases,
             "update_fwd_bwd": timing,
@@ -112,6 +113,9 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--micro-batch-tokens", type=int, default=12288)
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--cuda-graphs", choices=("auto", "off"), default="auto", help="train.cuda_graphs"
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
     args = p.parse_args()
     args.prompts, args.samples, args.prompt_len, args.completion_len, args.beta = (
