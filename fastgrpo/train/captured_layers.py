@@ -57,18 +57,27 @@ def serves(model, world=None) -> bool:
     """Whether the update's layers can run as CUDA graphs: the native model on one CUDA GPU, in
     a dtype and head size the flash kernels take (every layer's window too), no activation
     checkpointing, no LoRA dropout."""
-    if not isinstance(model, Transformer) or model.device.type != "cuda":
-        return False
+    return why_eager(model, world) is None
+
+
+def why_eager(model, world=None) -> str | None:
+    """Why the update's layers cannot run as CUDA graphs on this model, in words; None: they
+    can (`serves`)."""
+    if not isinstance(model, Transformer):
+        return "a transformers model (the native model's layers only)"
+    if model.device.type != "cuda":
+        return "not on a CUDA GPU"
     if world is not None and world.size > 1:
-        return False
+        return "several processes"
     if model.activation_checkpointing:
-        return False
+        return "gradient checkpointing"
     config = model.config
-    windows = config.layer_windows or [None]
     dtype = model.model.embed_tokens.weight.dtype
-    if not all(flash_serves(dtype, config.head_dim, w) for w in windows):
-        return False
-    return not any(getattr(m, "dropout", 0.0) and has_adapter(m) for m in model.modules())
+    if not all(flash_serves(dtype, config.head_dim, w) for w in config.layer_windows or [None]):
+        return "a dtype, head size or window the flash kernels do not take"
+    if any(getattr(m, "dropout", 0.0) and has_adapter(m) for m in model.modules()):
+        return "LoRA dropout"
+    return None
 
 
 def token_step(micro_batch_tokens: int) -> int:

@@ -49,6 +49,7 @@ from fastgrpo.train.trainer import (
     check_fused_lm_head,
     load_configured_model,
     lora_settings,
+    update_layers_note,
 )
 
 log = logging.getLogger("fastgrpo.train")
@@ -226,6 +227,9 @@ def _train(
         metrics = SilentMetrics()
     if trainer.parallel:
         metrics.write(trainer.parallel)
+    note = update_layers_note(config, trainer)
+    if note is not None:
+        metrics.write(note)
     if checkpoint is not None and main:
         record_changes(run_dir, step, changes)
         for key, (old, new) in changes.items():

@@ -28,7 +28,7 @@ from fastgrpo.models.lora import (
 )
 from fastgrpo.models.lora_decode import DecodeAdapters
 from fastgrpo.rewards import RewardSet
-from fastgrpo.train.captured_layers import CapturedLayers, serves, token_step
+from fastgrpo.train.captured_layers import CapturedLayers, serves, token_step, why_eager
 from fastgrpo.train.logprobs import kept_hidden
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
 from fastgrpo.train.parallel import choose_parallel
@@ -212,6 +212,23 @@ def _captured_layers(config: Config, model, fused: bool, world) -> CapturedLayer
     if config.train.cuda_graphs == "auto" and fused and serves(model, world):
         return CapturedLayers(model, token_step(config.train.micro_batch_tokens))
     return None
+
+
+def update_layers_note(config: Config, trainer: Trainer) -> str | None:
+    """The run log's line on how the update runs its layers on a GPU (None on the CPU)."""
+    model = trainer.model
+    if getattr(model, "device", torch.device("cpu")).type != "cuda":
+        return None
+    if trainer.captured is not None:
+        step = trainer.captured.step
+        return f"update: the layers replay CUDA graphs, micro-batches padded to {step}-token steps"
+    if config.train.cuda_graphs == "off":
+        reason = "train.cuda_graphs=off"
+    elif not trainer.fused:
+        reason = "the fused LM-head loss is off"
+    else:
+        reason = why_eager(model, trainer.world)
+    return f"update: the layers run eagerly ({reason})"
 
 
 def check_fused_lm_head(config: Config, model) -> bool:

@@ -80,9 +80,37 @@ def test_the_padded_layout_gives_the_layouts_hidden_states_and_gradients(tiny_mo
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
-def test_the_graphs_serve_only_the_native_model_on_one_gpu(tiny_model):
+def test_the_graphs_serve_only_the_native_model_on_one_gpu_and_the_log_says_why_not(
+    tiny_model, monkeypatch
+):
+    """`why_eager` names what keeps the layers eager, and the run log's line says it (none on
+    the CPU). The GPU is stood in for by the model's device."""
+    from types import SimpleNamespace
+
+    from fastgrpo.config import Config
+    from fastgrpo.models import Transformer
+    from fastgrpo.train.captured_layers import why_eager
+    from fastgrpo.train.trainer import update_layers_note
+
     model, _ = tiny_model
-    assert not serves(model)  # on the CPU
+    assert not serves(model) and why_eager(model) == "not on a CUDA GPU"
+    trainer = SimpleNamespace(model=model, captured=None, fused=True, world=None)
+    assert update_layers_note(Config(), trainer) is None
+    assert why_eager(torch.nn.Linear(2, 2)).startswith("a transformers model")
+    monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda")))
+    assert why_eager(model) == "a dtype, head size or window the flash kernels do not take"  # fp32
+    assert why_eager(model, SimpleNamespace(size=2)) == "several processes"
+    monkeypatch.setattr(model, "activation_checkpointing", True)
+    assert why_eager(model) == "gradient checkpointing"
+    off = Config()
+    off.train.cuda_graphs = "off"
+    assert (
+        update_layers_note(off, trainer) == "update: the layers run eagerly (train.cuda_graphs=off)"
+    )
+    note = update_layers_note(Config(), trainer)
+    assert note == "update: the layers run eagerly (gradient checkpointing)"
+    trainer.captured = SimpleNamespace(step=1536)
+    assert "replay CUDA graphs" in update_layers_note(Config(), trainer)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
