@@ -185,6 +185,16 @@ def fastgrpo_trainer(
     return config, trainer, [Example(prompt=text, answer="0") for text in prompts]
 
 
+def synthetic_trainer(args, device, lora_rank=0):
+    """`fastgrpo_trainer` for this workload with its own synthetic tokenizer and random prompts,
+    in bf16 on a GPU and fp32 on a CPU: what the lab scripts and tests build to profile a step."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vocab = SHAPES[args.shape]["vocab_size"]
+    tokenizer = synthetic_tokenizer(vocab)
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
+    return fastgrpo_trainer(args, device, dtype, tokenizer, prompts, lora_rank=lora_rank)
+
+
 def run_fastgrpo(args, device, dtype, tokenizer, prompts, lora_rank=0, lora_merge=True) -> dict:
     baseline = memory_baseline(device)
     config, trainer, examples = fastgrpo_trainer(

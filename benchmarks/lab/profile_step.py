@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_rollout import SHAPES  # noqa: E402
-from benchmarks.bench_step import PHASES, fastgrpo_trainer, random_prompts, synthetic_tokenizer  # noqa: E402
+from benchmarks.bench_step import PHASES, synthetic_trainer  # noqa: E402
 from fastgrpo.config import TrainConfig  # noqa: E402
 from fastgrpo.train import profiling  # noqa: E402
 from fastgrpo.train.step import grpo_step  # noqa: E402
@@ -103,13 +102,7 @@ def main():
     args.prompts, args.samples, args.prompt_len, args.completion_len = 8, 8, 128, 256
     args.steps = 1
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    vocab = SHAPES[args.shape]["vocab_size"]
-    tokenizer = synthetic_tokenizer(vocab)
-    prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
-    config, trainer, examples = fastgrpo_trainer(
-        args, device, dtype, tokenizer, prompts, lora_rank=args.lora
-    )
+    config, trainer, examples = synthetic_trainer(args, device, lora_rank=args.lora)
     torch.manual_seed(0)
     for _ in range(args.warmup):
         grpo_step(config, trainer, examples)

@@ -23,21 +23,14 @@ from collections import Counter
 
 import torch
 
-from benchmarks.bench_rollout import SHAPES
-from benchmarks.bench_step import fastgrpo_trainer, random_prompts, synchronize, synthetic_tokenizer
+from benchmarks.bench_step import synchronize, synthetic_trainer
 from fastgrpo.train import update as update_module
 from fastgrpo.train.step import grpo_step
 
 
 def run(args, lora_rank: int) -> dict:
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    vocab = SHAPES[args.shape]["vocab_size"]
-    tokenizer = synthetic_tokenizer(vocab)
-    prompts = random_prompts(args.prompts, args.prompt_len, vocab, tokenizer)
-    config, trainer, examples = fastgrpo_trainer(
-        args, device, dtype, tokenizer, prompts, lora_rank=lora_rank
-    )
+    config, trainer, examples = synthetic_trainer(args, device, lora_rank=lora_rank)
     original = update_module._accumulate_gradients
     host, total, syncs, profiler = [], [], Counter(), [None]
 

@@ -149,7 +149,7 @@ def scaled_product(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype) -> tor
     """alpha (a @ b) in `dtype`: on CUDA, bf16/fp16 operands give an fp32 result from one GEMM
     (accumulated in fp32, rounded once to fp32: no bf16 copy of an adapter's gradient, no cast)."""
     if a.dtype == dtype or not a.is_cuda:
-        return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha).to(dtype)
+        return _gemm_then_cast(a, b, alpha, dtype)
     if not _SCALED_PRODUCT:
         _SCALED_PRODUCT.append(_probe(a.device))
     return _SCALED_PRODUCT[0](a, b, alpha, dtype)
@@ -166,9 +166,6 @@ def _probe(device):
     def gemm_then_scale(a, b, alpha, dtype):
         return torch.mm(a, b, out_dtype=dtype).mul_(alpha)
 
-    def cast(a, b, alpha, dtype):
-        return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha).to(dtype)
-
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(24, 40, generator=g).to(device, torch.bfloat16)
     b = torch.randn(40, 16, generator=g).to(device, torch.bfloat16)
@@ -180,7 +177,12 @@ def _probe(device):
             continue
         if got.dtype == torch.float32 and torch.allclose(got.double(), want, atol=1e-4):
             return way
-    return cast
+    return _gemm_then_cast
+
+
+def _gemm_then_cast(a, b, alpha, dtype):
+    """alpha (a @ b) from a GEMM in the operands' dtype, then cast to `dtype`."""
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha).to(dtype)
 
 
 class LowRankLinear(torch.autograd.Function):

@@ -23,7 +23,7 @@ from the GPU and the host queues ahead of it.
 The graphs read the weights (and LoRA's factors, refilled in place) at the addresses they had when
 recorded; a change of address (a reload, a repack) records them again. Used on one GPU for the
 native model without activation checkpointing, LoRA dropout or a layer the flash kernels do not
-serve (`serves`); elsewhere the layers run eagerly.
+serve (`why_eager`); elsewhere the layers run eagerly.
 """
 
 from __future__ import annotations
@@ -53,16 +53,10 @@ SEQUENCE_STEP = 16  # and the sequences (filler sequences added) to a multiple o
 MAX_GRAPHS = 8  # buckets kept recorded; the least recently used is dropped beyond
 
 
-def serves(model, world=None) -> bool:
-    """Whether the update's layers can run as CUDA graphs: the native model on one CUDA GPU, in
-    a dtype and head size the flash kernels take (every layer's window too), no activation
-    checkpointing, no LoRA dropout."""
-    return why_eager(model, world) is None
-
-
 def why_eager(model, world=None) -> str | None:
-    """Why the update's layers cannot run as CUDA graphs on this model, in words; None: they
-    can (`serves`)."""
+    """Why the update's layers cannot run as CUDA graphs on this model, in words; None: they can
+    (the native model on one CUDA GPU, in a dtype and head size the flash kernels take, every
+    layer's window too, no activation checkpointing, no LoRA dropout)."""
     if not isinstance(model, Transformer):
         return "a transformers model (the native model's layers only)"
     if model.device.type != "cuda":

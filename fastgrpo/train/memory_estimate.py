@@ -55,6 +55,19 @@ from fastgrpo.train.captured_layers import SEQUENCE_STEP, token_step
 
 GIB = 2**30
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# a part a setting drops, said when a run does not fit: (part, the setting, what it costs)
+SAVINGS = (
+    (
+        "merged weights",
+        "lora.merge_for_rollout=false keeps no merged copies",
+        "for slower rollouts",
+    ),
+    (
+        "cuda graphs",
+        "train.cuda_graphs=off runs the update's layers eagerly",
+        "for a slower update on small models",
+    ),
+)
 NEAR_FULL = 0.85
 """Above this share of the GPU the check suggests expandable segments: a 7B LoRA step at 96% of an
 H100 ran out of memory with 9.9 GiB reserved but unallocated, and trained with them
@@ -86,18 +99,10 @@ class MemoryEstimate:
             room = device_bytes / GIB
             verdict = "fits" if self.peak <= device_bytes else "does NOT fit"
             out.append(f"  {verdict} {gpu} {room:.0f} GiB")
-            merged = self.parts.get("merged weights", 0)
-            if self.peak > device_bytes and merged:
-                out.append(
-                    f"  lora.merge_for_rollout=false keeps no merged copies: {merged / GIB:.1f} GiB "
-                    "less, for slower rollouts"
-                )
-            graphs = self.parts.get("cuda graphs", 0)
-            if self.peak > device_bytes and graphs:
-                out.append(
-                    f"  train.cuda_graphs=off runs the update's layers eagerly: {graphs / GIB:.1f} "
-                    "GiB less, for a slower update on small models"
-                )
+            for part, setting, cost in SAVINGS:
+                size = self.parts.get(part, 0)
+                if self.peak > device_bytes and size:
+                    out.append(f"  {setting}: {size / GIB:.1f} GiB less, {cost}")
             close = NEAR_FULL * device_bytes < self.peak <= device_bytes
             if close and "expandable_segments:True" not in os.environ.get(ALLOC_CONF, ""):
                 out.append(

@@ -28,7 +28,7 @@ from fastgrpo.models.lora import (
 )
 from fastgrpo.models.lora_decode import DecodeAdapters
 from fastgrpo.rewards import RewardSet
-from fastgrpo.train.captured_layers import CapturedLayers, serves, token_step, why_eager
+from fastgrpo.train.captured_layers import CapturedLayers, token_step, why_eager
 from fastgrpo.train.logprobs import kept_hidden
 from fastgrpo.train.optim import ModelOptimizer, build_scheduler
 from fastgrpo.train.parallel import choose_parallel
@@ -206,10 +206,19 @@ def check_lora(config: Config) -> None:
         )
 
 
+def _eager_layers_reason(config: Config, model, fused: bool, world) -> str | None:
+    """Why the update runs its layers eagerly, in words; None: as CUDA graphs, where
+    train.cuda_graphs allows and they serve the fused loss (`captured_layers.why_eager`)."""
+    if config.train.cuda_graphs == "off":
+        return "train.cuda_graphs=off"
+    if not fused:
+        return "the fused LM-head loss is off"
+    return why_eager(model, world)
+
+
 def _captured_layers(config: Config, model, fused: bool, world) -> CapturedLayers | None:
-    """The update's layers as CUDA graphs where train.cuda_graphs allows and they serve the
-    fused loss (`captured_layers.serves`); None: they run eagerly."""
-    if config.train.cuda_graphs == "auto" and fused and serves(model, world):
+    """The update's layers as CUDA graphs where they can be; None: they run eagerly."""
+    if _eager_layers_reason(config, model, fused, world) is None:
         return CapturedLayers(model, token_step(config.train.micro_batch_tokens))
     return None
 
@@ -222,12 +231,7 @@ def update_layers_note(config: Config, trainer: Trainer) -> str | None:
     if trainer.captured is not None:
         step = trainer.captured.step
         return f"update: the layers replay CUDA graphs, micro-batches padded to {step}-token steps"
-    if config.train.cuda_graphs == "off":
-        reason = "train.cuda_graphs=off"
-    elif not trainer.fused:
-        reason = "the fused LM-head loss is off"
-    else:
-        reason = why_eager(model, trainer.world)
+    reason = _eager_layers_reason(config, model, trainer.fused, trainer.world)
     return f"update: the layers run eagerly ({reason})"
 
 

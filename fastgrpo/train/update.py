@@ -93,7 +93,7 @@ def _accumulate_gradients(
                 value.backward()
         value = value.detach()  # the pass's autograd graph dies here (captured_layers needs it)
         totals.add(value, metrics, mb)
-        total += value.detach().float()
+        total += value.float()
     run_idle_passes(model, mini.idle_passes, with_grad=True)
     return total
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastgrpo.rollout import Rollout
-from fastgrpo.train.captured_layers import CapturedLayers, pad_layout, serves
+from fastgrpo.train.captured_layers import CapturedLayers, pad_layout, why_eager
 from fastgrpo.train.logprobs import kept_hidden, pack_layout
 
 
@@ -89,11 +89,10 @@ def test_the_graphs_serve_only_the_native_model_on_one_gpu_and_the_log_says_why_
 
     from fastgrpo.config import Config
     from fastgrpo.models import Transformer
-    from fastgrpo.train.captured_layers import why_eager
     from fastgrpo.train.trainer import update_layers_note
 
     model, _ = tiny_model
-    assert not serves(model) and why_eager(model) == "not on a CUDA GPU"
+    assert why_eager(model) == "not on a CUDA GPU"
     trainer = SimpleNamespace(model=model, captured=None, fused=True, world=None)
     assert update_layers_note(Config(), trainer) is None
     assert why_eager(torch.nn.Linear(2, 2)).startswith("a transformers model")
@@ -149,7 +148,7 @@ def test_replayed_layers_give_the_eager_layers_values_and_gradients(lora):
     step changes them): the bucket runs eagerly, is recorded, then replayed, and follows the new
     weights."""
     model = _cuda_model(lora)
-    assert serves(model)
+    assert why_eager(model) is None
     rollout = random_rollout(model.config.vocab_size, device="cuda")
     captured = CapturedLayers(model)
     w = torch.randn(int(rollout.completion_mask.sum()), model.config.hidden_size, device="cuda")
@@ -221,7 +220,7 @@ def test_an_update_replaying_the_graphs_reads_nothing_back_from_the_gpu(lora):
     the passes and the loss indexes its tokens without a boolean mask."""
     import argparse
 
-    from benchmarks.bench_step import fastgrpo_trainer, random_prompts, synthetic_tokenizer
+    from benchmarks.bench_step import synthetic_trainer
     from fastgrpo.train import update as update_module
     from fastgrpo.train.step import grpo_step
 
@@ -229,11 +228,7 @@ def test_an_update_replaying_the_graphs_reads_nothing_back_from_the_gpu(lora):
         shape="tiny", prompts=4, samples=4, prompt_len=16, completion_len=24, beta=0.04,
         micro_batch_tokens=128, warmup=3, steps=1,
     )  # fmt: skip
-    tokenizer = synthetic_tokenizer(1024)
-    prompts = random_prompts(args.prompts, args.prompt_len, 1024, tokenizer)
-    config, trainer, examples = fastgrpo_trainer(
-        args, torch.device("cuda"), torch.bfloat16, tokenizer, prompts, lora_rank=lora
-    )
+    config, trainer, examples = synthetic_trainer(args, torch.device("cuda"), lora_rank=lora)
     assert trainer.captured is not None
     torch.manual_seed(0)
     for _ in range(args.warmup):  # each bucket: eagerly, then recorded
