@@ -20,6 +20,7 @@ import cProfile
 import io
 import json
 import pstats
+import re
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -42,6 +43,36 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def idle_gaps(events: list[dict], start: float, end: float, least_us: float = 200.0) -> list:
+    """The GPU's idle gaps inside [start, end) of at least `least_us`, longest first: each with the
+    kernel that ended the wait and the project's Python functions on the host stack when that
+    kernel was launched (the host work the GPU waited for; needs a trace recorded with_stack)."""
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "kernel" and start <= e["ts"] < end),
+        key=lambda e: e["ts"],
+    )
+    launches = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and start <= e["ts"] < end
+    }
+    python = [e for e in events if e.get("cat") == "python_function" and "fastgrpo" in e["name"]]
+    gaps, reach = [], start
+    for k in kernels:
+        if k["ts"] - reach >= least_us:
+            launch = launches.get(k["args"].get("correlation"))
+            at = launch["ts"] if launch else k["ts"]
+            stack = sorted(
+                (p for p in python if p["ts"] <= at < p["ts"] + p["dur"]), key=lambda p: p["ts"]
+            )
+            where = " > ".join(re.sub(r".*fastgrpo/", "", p["name"]) for p in stack[-3:])
+            gaps.append(((k["ts"] - reach) / 1e3, k["name"][:50], where or "-"))
+        reach = max(reach, k["ts"] + k["dur"])
+    if end - reach >= least_us:
+        gaps.append(((end - reach) / 1e3, "(phase end)", "-"))
+    return sorted(gaps, reverse=True)
 
 
 def summarize(trace: dict, top: int) -> dict:
@@ -71,6 +102,7 @@ def summarize(trace: dict, top: int) -> dict:
     heaviest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
     return {
         "phases": phases,
+        "update_gaps": idle_gaps(events, start, end),
         "update_kernels": [
             {"name": name[:110], "count": len(d), "total_ms": sum(d) / 1e3} for name, d in heaviest
         ],
@@ -91,6 +123,9 @@ def main():
     parser.add_argument(
         "--cprofile", type=int, default=0, help="also run a step under cProfile; rows to print"
     )
+    parser.add_argument(
+        "--gaps", type=int, default=0, help="list the update's N longest GPU idle gaps"
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU smoke test)")
     parser.add_argument(
         "--lora", type=int, default=0, metavar="R", help="LoRA rank R on all linears"
@@ -110,7 +145,7 @@ def main():
     if device.type == "cuda":
         torch.cuda.synchronize()
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, with_stack=args.gaps > 0) as profiler:
         record = grpo_step(config, trainer, examples)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -131,6 +166,14 @@ def main():
     print(f"\nupdate phase, heaviest kernels ({args.top}):")
     for k in result["update_kernels"]:
         print(f"{k['total_ms']:>9.2f} ms {k['count']:>6}x  {k['name']}")
+    if args.gaps:
+        gaps = result["update_gaps"]
+        print(
+            f"\nupdate phase, GPU idle: {sum(g[0] for g in gaps):.1f} ms in {len(gaps)} gaps "
+            f"of >= 0.2 ms; the {args.gaps} longest (ms, next kernel, host stack at its launch):"
+        )
+        for ms, kernel, where in gaps[: args.gaps]:
+            print(f"{ms:>8.2f}  {kernel:<50}  {where}")
     print("\nwhole step, CPU ops by self CPU time:")
     print(
         profiler.key_averages().table(
@@ -150,6 +193,7 @@ def main():
             print(f"===== one step under cProfile, by {order}")
             print(text.getvalue())
     timing = {key: value for key, value in record.items() if key.startswith("time/")}
+    result.pop("update_gaps")
     print(json.dumps({"micro_batch_tokens": args.micro_batch_tokens, **result, **timing}))
 
 
