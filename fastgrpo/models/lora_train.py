@@ -132,14 +132,23 @@ def make_factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
 def fill_factors(f: Factors, linears) -> None:
     """Write the group's current adapters into `f`'s tensors, in place (same blocks: the group's
     adapters are the ones `f` was made for)."""
-    adapted = [m for m in linears if has_adapter(m)]
-    a_parts = [f.a_cat[c0:c1] for _, _, c0, c1, _ in f.blocks]
-    b_parts = [f.b_bd[r0:r1, c0:c1] for r0, r1, c0, c1, _ in f.blocks]
-    b_values = [
-        m.lora_B.weight if s == f.alpha else m.lora_B.weight * (s / f.alpha)
-        for m, (*_, s) in zip(adapted, f.blocks)
-    ]
-    torch._foreach_copy_(a_parts + b_parts, [m.lora_A.weight for m in adapted] + b_values)
+    fill_factors_of([(f, linears)])
+
+
+@torch.no_grad()
+def fill_factors_of(groups: list) -> None:
+    """`fill_factors` for many (Factors, linears) groups with one multi-tensor copy."""
+    targets, sources = [], []
+    for f, linears in groups:
+        adapted = [m for m in linears if has_adapter(m)]
+        targets += [f.a_cat[c0:c1] for _, _, c0, c1, _ in f.blocks]
+        targets += [f.b_bd[r0:r1, c0:c1] for r0, r1, c0, c1, _ in f.blocks]
+        sources += [m.lora_A.weight for m in adapted]
+        sources += [
+            m.lora_B.weight if s == f.alpha else m.lora_B.weight * (s / f.alpha)
+            for m, (*_, s) in zip(adapted, f.blocks)
+        ]
+    torch._foreach_copy_(targets, sources)
 
 
 _SCALED_PRODUCT = []  # the way `scaled_product` takes on CUDA (found by `_probe` once)

@@ -152,9 +152,9 @@ def test_replayed_layers_give_the_eager_layers_values_and_gradients(lora):
     rollout = random_rollout(model.config.vocab_size, device="cuda")
     captured = CapturedLayers(model)
     w = torch.randn(int(rollout.completion_mask.sum()), model.config.hidden_size, device="cuda")
-    for _ in range(3):
-        want, want_grads = _hidden_and_grads(kept_hidden, model, rollout, w)
+    for _ in range(3):  # the graphs first: their own refill of LoRA's factors is what is tested
         got, got_grads = _hidden_and_grads(captured.kept_hidden, model, rollout, w)
+        want, want_grads = _hidden_and_grads(kept_hidden, model, rollout, w)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         for a, b in zip(got_grads, want_grads):
             scale = b.abs().max().clamp(min=1e-6)
@@ -266,7 +266,7 @@ def test_a_bucket_that_cannot_be_recorded_leaves_the_layers_eager_with_one_warni
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
 
-    def refuse(self, *args):
+    def refuse(self, *args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(captured_layers._Recorded, "__init__", refuse)
@@ -279,6 +279,54 @@ def test_a_bucket_that_cannot_be_recorded_leaves_the_layers_eager_with_one_warni
     assert captured.failed and captured.captures == captured.replays == 0
     warnings = [r for r in caplog.records if "could not be recorded" in r.getMessage()]
     assert len(warnings) == 1 and "more" not in warnings[0].getMessage()
+
+
+def test_the_address_check_sees_moved_tensors_and_wrapped_modules_and_the_refill_is_in_place(
+    tiny_model,
+):
+    """What decides that the graphs must be recorded again (`_addresses`): unchanged by in-place
+    weight and adapter changes (an optimizer step); changed by a parameter replaced, a module
+    wrapped, a projection packed again. `_refill_factors` (each forward graph's head) writes the
+    adapters into the same factor tensors, without the cache's refill."""
+    from torch import nn
+
+    from fastgrpo.models.lora import LoraSettings, add_adapters
+    from fastgrpo.models.lora_train import CACHE
+
+    model, _ = tiny_model
+    model.pack_projections()
+    add_adapters(model, LoraSettings(rank=4, alpha=8.0))
+    captured = CapturedLayers(model)
+    assert captured._addresses() is None
+    captured._watch()
+    first = captured._addresses()
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert captured._addresses() == first
+    q = layer.self_attn.q_proj
+    f = q.__dict__[CACHE][1]
+    a_before, b_before = f.a_cat.data_ptr(), f.b_bd.data_ptr()
+    with torch.no_grad():
+        q.lora_A.weight.copy_(torch.randn_like(q.lora_A.weight))
+        q.lora_B.weight.copy_(torch.randn_like(q.lora_B.weight))
+    captured._refill_factors()
+    rank = q.lora_A.weight.shape[0]
+    assert (f.a_cat.data_ptr(), f.b_bd.data_ptr()) == (a_before, b_before)
+    torch.testing.assert_close(f.a_cat[:rank], q.lora_A.weight, rtol=0, atol=0)
+    torch.testing.assert_close(f.b_bd[: q.out_features, :rank], q.lora_B.weight, rtol=0, atol=0)
+    assert captured._addresses() == first
+
+    norm = model.model.layers[-1].post_attention_layernorm
+    norm.weight = nn.Parameter(norm.weight.detach().clone())
+    moved = captured._addresses()
+    assert moved != first
+    layer.mlp.down_proj = nn.Sequential(layer.mlp.down_proj)  # a module wrapped
+    wrapped = captured._addresses()
+    assert wrapped != moved
+    model.pack_projections()  # packed again: new packed weights
+    assert captured._addresses() != wrapped
 
 
 def test_the_token_step_is_an_eighth_of_the_budget_in_multiples_of_128_and_at_least_512():
