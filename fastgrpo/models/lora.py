@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastgrpo.cuda_graphs import capture
 from fastgrpo.models.lora_train import lora_linear, takes
 from fastgrpo.models.packed import packed_linear
 
@@ -448,7 +449,7 @@ class MergedWeights:
         self._merge()
         if self.pairs and self.pairs[0][0].weight.is_cuda:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with capture(graph, capture_error_mode="thread_local"):
                 self._merge()  # recorded, not run: the merge above wrote the same values
             self._graph = (addresses, graph)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastgrpo.cuda_graphs import capture
 from fastgrpo.kernels.decode.decode_record import record_step
 from fastgrpo.models.attention import packed_positions
 from fastgrpo.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention
@@ -295,7 +296,7 @@ class WaveBuffers:
         if self.prefill_pool is None:
             self.prefill_pool = torch.cuda.graph_pool_handle()
         prefill.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(prefill.graph, pool=self.prefill_pool):
+        with capture(prefill.graph, pool=self.prefill_pool):
             self._prefill_on(prefill)  # recorded, not run: later rollouts replay it
         self.graph_inputs = self._inputs()  # as the decode graph's (`start` drops both)
         return prefill
@@ -402,7 +403,7 @@ class WaveBuffers:
             self._step(live)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             self._step(live)  # recorded, not run: the next call replays it
         self.graphs[live.prompts] = graph
         self.graph_inputs = self._inputs()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fastgrpo.cuda_graphs import capture
 from fastgrpo.models import Transformer
 from fastgrpo.models.attention import SharedKeys, flash_serves
 from fastgrpo.models.lora_decode import layer_groups
@@ -177,13 +178,13 @@ class _Recorded:
         self.params = [p for p in module.parameters() if p.requires_grad]
         wrt = [t for t in self.static_inputs if t.requires_grad] + self.params
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+        with capture(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
             if before is not None:  # recorded at the forward graph's head (LoRA's refill)
                 before()
             out = module(*self.static_inputs)
         self.grad_out = torch.empty_like(out)
         first = 1 if x.requires_grad else 0  # grads: x's (if it needs one), then the weights'
-        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+        with capture(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(out, wrt, self.grad_out, allow_unused=True)
             # the weights' gradients end in buffers every bucket shares (`grad_buffers`, made
             # once outside the pool): the graphs' own die here, and the pool reuses them
