@@ -42,7 +42,10 @@ def test_the_collector_is_paused_inside_a_capture_and_restored_after_even_when_i
 
 
 def _graph_in_a_cycle(x: torch.Tensor) -> None:
-    """A recorded graph (x += 1), left unreachable inside a reference cycle."""
+    """A recorded graph (x += 1), left unreachable inside a reference cycle that no collection
+    has seen yet (made with the collector off, so it sits in the youngest generation)."""
+    gc.collect()
+    gc.disable()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -58,22 +61,23 @@ def _graph_in_a_cycle(x: torch.Tensor) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_capture_survives_a_collection_that_would_destroy_another_graph():
-    """With the collection threshold at 1, any Python allocation inside the capture would start a
-    collection that frees the cyclic graph (a call CUDA refuses during a capture)."""
-    gc.collect()
-    _graph_in_a_cycle(torch.zeros(4, device="cuda"))
+    """Inside the capture the collection threshold drops to 1: any Python allocation there would
+    start a collection freeing the cyclic graph (a call CUDA refuses during a capture), were the
+    collector not paused."""
     thresholds = gc.get_threshold()
-    gc.set_threshold(1)
     try:
+        _graph_in_a_cycle(torch.zeros(4, device="cuda"))
         y = torch.zeros(4, device="cuda")
         g = torch.cuda.CUDAGraph()
         with cuda_graphs.capture(g):
+            gc.set_threshold(1)
             y.add_(2)
             _ = [[] for _ in range(1000)]
         g.replay()
         g.replay()
     finally:
         gc.set_threshold(*thresholds)
+        gc.enable()
     gc.collect()  # the cyclic graph goes now, outside any capture
     torch.cuda.synchronize()
     assert y.tolist() == [4.0, 4.0, 4.0, 4.0]
