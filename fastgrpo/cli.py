@@ -249,7 +249,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{tag}interrupted ({signal.Signals(number).name}){': ' + detail if detail else ''}",
             file=sys.stderr,
         )
-        return 128 + number
+        return _stopped_code(number)
+
+
+def _stopped_code(number: int) -> int:
+    """The exit code of a command a stop signal ended: 128 + the signal's number (the shells'
+    convention); 0 in a rank that `fastgrpo train --nproc` started, whose launcher returns that
+    code itself (torchrun would call a rank's non-zero exit a failure, in a page of traceback)."""
+    return 0 if switches.started_by_launcher() else 128 + number
 
 
 def run_check(args) -> int:
@@ -321,38 +328,6 @@ def run_plot(args) -> int:
     return 0
 
 
-def _relaunch_under_torchrun(nproc: int, given: list[str]) -> int:
-    """`fastgrpo train --nproc N ...`: the same command as N processes started by torchrun."""
-    import subprocess
-
-    from fastgrpo.config import ConfigError
-
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc}: give the number of processes, 1 or more")
-    if "WORLD_SIZE" in os.environ:
-        raise ConfigError("--nproc inside a torchrun job: drop --nproc, torchrun started it")
-    argv, rest = [], iter(given)
-    for arg in rest:  # the command line without --nproc N
-        if arg == "--nproc":
-            next(rest, None)
-        elif not arg.startswith("--nproc="):
-            argv.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "fastgrpo", *argv]  # fmt: skip
-    # torchrun in a session of its own, so that Ctrl-C reaches it once, from here: it passes a
-    # signal on to its ranks, which finish their step, save and exit (the ranks have 30 s before
-    # torchrun kills them). subprocess.call would SIGKILL torchrun on Ctrl-C and orphan the ranks.
-    launcher = subprocess.Popen(command, start_new_session=True)
-
-    def forward(signum, _frame):
-        launcher.send_signal(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
-    code = launcher.wait()
-    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
-
-
 def _rank_tag() -> str:
     """The tag "[rankN]: " in a rank of a torchrun job of several processes, whose lines share
     one stderr (torch tags a rank's uncaught traceback the same way), else ""."""
@@ -386,7 +361,9 @@ def run_train(args) -> int:
     from fastgrpo.config import ConfigError
 
     if args.nproc is not None:
-        return _relaunch_under_torchrun(args.nproc, args.argv)
+        from fastgrpo.launch import run_under_torchrun
+
+        return run_under_torchrun(args.nproc, args.argv)
     from fastgrpo.train import load_resume_config, run_training
 
     if args.output_dir:
@@ -403,7 +380,7 @@ def run_train(args) -> int:
         config = _load(args)  # the overrides are applied here
     result = run_training(config, resume=bool(args.resume), trust_run_code=args.trust_run_code)
     if os.environ.get("RANK", "0") != "0":  # a data-parallel job: rank 0 reports it
-        return 128 + (result.stop_signal or signal.SIGTERM) if result.interrupted else 0
+        return _stopped_code(result.stop_signal or signal.SIGTERM) if result.interrupted else 0
     before, after = result.eval_before, result.eval_after
     print(
         f"run folder: {result.run_dir} ({result.steps} steps{', interrupted' if result.interrupted else ''})"
@@ -426,7 +403,7 @@ def run_train(args) -> int:
         "accuracy_after": after and after["accuracy"],
     }
     print(json.dumps(summary))
-    return 128 + result.stop_signal if result.interrupted else 0
+    return _stopped_code(result.stop_signal) if result.interrupted else 0
 
 
 # eval's flags -> the config key whose range each one has

@@ -3,8 +3,8 @@
 Three switches turn a family of kernels off, to bisect a numerical problem or to work around a
 compiler or driver that breaks one; each default is the path measured fastest (the README's table,
 with the measurement behind it). They are read once, at import: a module copies the value it needs
-into an attribute of its own, which tests flip with monkeypatch. FASTGRPO_CACHE and FASTGRPO_DEBUG
-are read when used.
+into an attribute of its own, which tests flip with monkeypatch. FASTGRPO_CACHE, FASTGRPO_DEBUG
+and FASTGRPO_STARTED_BY_LAUNCHER (the launcher's mark on its ranks) are read when used.
 
 Settled comparisons are not switches: the losing path is deleted, or, where it is also another
 device's or shape's path, kept as that fallback with a module attribute the lab's A/B scripts set.
@@ -36,6 +36,16 @@ NO_VARLEN = os.environ.get("FASTGRPO_NO_VARLEN") == "1"
 def cache_root() -> Path:
     """Where converted models are cached (FASTGRPO_CACHE, else ~/.cache/fastgrpo)."""
     return Path(os.environ.get("FASTGRPO_CACHE") or Path.home() / ".cache" / "fastgrpo")
+
+
+STARTED_BY_LAUNCHER = "FASTGRPO_STARTED_BY_LAUNCHER"  # set by `fastgrpo train --nproc` (launch.py)
+
+
+def started_by_launcher() -> bool:
+    """This process is a rank that `fastgrpo train --nproc` started: its stop signals come from
+    that launcher, with no deadline after them, and a stop ends it with exit code 0 (the
+    launcher returns 128 + the signal's number for the job)."""
+    return os.environ.get(STARTED_BY_LAUNCHER) == "1"
 
 
 def debug() -> bool:

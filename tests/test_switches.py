@@ -35,7 +35,9 @@ FAMILIES = {
     ],
     "FASTGRPO_PDL": [("fastgrpo.kernels.decode.pdl", "ENABLED")],
 }
-READ_WHEN_USED = {"FASTGRPO_CACHE", "FASTGRPO_DEBUG", "FASTGRPO_NO_VARLEN"}
+READ_WHEN_USED = {
+    "FASTGRPO_CACHE", "FASTGRPO_DEBUG", "FASTGRPO_NO_VARLEN", "FASTGRPO_STARTED_BY_LAUNCHER"
+}  # fmt: skip
 
 PROBE = """
 import importlib, json, sys

@@ -17,6 +17,7 @@ from fastgrpo.config import Config, ConfigError
 from fastgrpo.data import PromptSampler
 from fastgrpo.errors import RunStopped, UserError
 from fastgrpo.rollout import release_engine
+from fastgrpo.switches import started_by_launcher
 from fastgrpo.train.checkpoint import (
     checkpoint_size,
     checkpoint_step,
@@ -39,7 +40,7 @@ from fastgrpo.train.resume import (
     restore_optimizer,
 )
 from fastgrpo.train.step import grpo_step
-from fastgrpo.train.stopping import HANG_DUMP_S, Interrupted, StepAbandoned, StopRequest
+from fastgrpo.train.stopping import Interrupted, StepAbandoned, StopRequest, hang_dump_after
 from fastgrpo.train.trainer import (
     attach_adapters,
     build_rewards,
@@ -134,7 +135,12 @@ def train(config: Config, *, resume: bool = False, trust_run_code: bool = False)
     job (`grpo_step`); rank 0 writes the run folder, the metrics and the checkpoints."""
     world = join_world(config)
     try:
-        return _start(config, resume, trust_run_code, world)
+        result = _start(config, resume, trust_run_code, world)
+        if world is not None and result.interrupted:
+            # stopped ranks exit non-zero, and torchrun stops the others when one does: none
+            # goes before rank 0 has finished its checkpoint
+            world.barrier()
+        return result
     finally:
         if world is not None:
             world.leave()
@@ -154,7 +160,7 @@ def _start(config: Config, resume: bool, trust_run_code: bool, world) -> TrainRe
     removed = remove_partial_checkpoints(run_dir) if world is None or world.is_main else []
     if removed:
         log.warning("removed %s: checkpoint writes an earlier process never finished", removed)
-    stop = StopRequest(dump_after=HANG_DUMP_S if world is not None else None)
+    stop = StopRequest(dump_after=hang_dump_after(world))
     try:
         return _train(config, run_dir, checkpoint, changes, stop, trust_run_code, world)
     except Interrupted as interrupt:
@@ -291,7 +297,7 @@ def _train(
             f"checkpoint: saved {where} ({checkpoint_size(where)} in {seconds:.1f} s; the newest "
             f"run.keep_checkpoints={config.run.keep_checkpoints} are kept)"
         )
-        if seconds > SLOW_SAVE_S and not slow_save_said:
+        if seconds > SLOW_SAVE_S and not slow_save_said and not started_by_launcher():
             slow_save_said = True
             log.warning(
                 "a checkpoint took %.0f s: after a stop signal (Ctrl-C, SIGTERM) torchrun kills the "

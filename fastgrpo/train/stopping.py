@@ -5,7 +5,9 @@ signal during a step's rollout cuts the rollout short (`rollout.engine.cut_rollo
 abandons the step (`StepAbandoned`: nothing of it is applied, and the prompt order and random
 state go back to where the step began), so the checkpoint is the last finished step's and comes
 within a look of the engine rather than after the whole step: a launcher's grace period
-(torchrun waits 30 s after SIGTERM, then kills) need not cover a long rollout. A signal after the
+(torchrun waits 30 s after SIGTERM, then kills) need not cover a long rollout. Under
+`fastgrpo train --nproc` the signal reaches the ranks, not torchrun (`fastgrpo.launch`), and there
+is no such deadline. A signal after the
 rollout lets the step finish first. A second signal aborts. Outside the steps (loading the model, the evaluations before
 and after) there is no step to finish, so a signal raises `Interrupted` at once; the command
 line turns it into one line and exit code 128 + the signal number (130 for Ctrl-C, 143 for
@@ -19,6 +21,7 @@ import logging
 import signal
 
 from fastgrpo.rollout.engine import cut_rollouts_short
+from fastgrpo.switches import started_by_launcher
 
 log = logging.getLogger("fastgrpo.train")
 
@@ -26,6 +29,16 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 HANG_DUMP_S = 25.0
 """In a torchrun job, a rank still running this long after a stop signal writes every thread's
 stack to stderr (torchrun kills the ranks at 30 s): a rank stuck in a collective says where."""
+HANG_DUMP_LAUNCHED_S = 300.0
+"""The same under `fastgrpo train --nproc`, whose ranks have no deadline (`fastgrpo.launch`):
+long enough for a large model's update and checkpoint."""
+
+
+def hang_dump_after(world) -> float | None:
+    """Seconds after a stop signal at which a rank writes its threads' stacks; None alone."""
+    if world is None:
+        return None
+    return HANG_DUMP_LAUNCHED_S if started_by_launcher() else HANG_DUMP_S
 
 
 class Interrupted(KeyboardInterrupt):
