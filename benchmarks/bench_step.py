@@ -31,7 +31,7 @@ optimizer step per TRL step, as here; TRL's defaults changed to match: loss_type
 wall time between TRL's step ends. Seen working on the CPU with trl 1.16.0 and datasets 4.8.0
 (datasets 5.2.0's Dataset.from_dict failed there, on Python 3.11, pickling pyarrow's MonthDayNano),
 and on the lent H100 with trl 1.16.0, datasets 4.8.5, dill 0.4.1 and multiprocess 0.70.19 carried
-as wheels (the image has pyarrow, pandas, xxhash and fsspec): results/step_h100_v7.json.
+as wheels (the image has pyarrow, pandas, xxhash and fsspec): results/step_trl_h100.json.
 
 Reported per method: seconds per step (median of the timed steps, after warm-up steps that pay
 for allocation, Triton compilation and CUDA graph capture), completion tokens/s, fastgrpo's
