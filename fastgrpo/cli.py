@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stopped_code(number: int) -> int:
     """The exit code of a command a stop signal ended: 128 + the signal's number (the shells'
-    convention); 0 in a rank that `fastgrpo train --nproc` started, whose launcher returns that
-    code itself (torchrun would call a rank's non-zero exit a failure, in a page of traceback)."""
-    return 0 if switches.started_by_launcher() else 128 + number
+    convention); 0 in a rank whose stop `fastgrpo train --nproc` relayed, the launcher returning
+    that code itself (torchrun would call a rank's non-zero exit a failure, in a page of
+    traceback)."""
+    return 0 if switches.stop_relayed_by_launcher() else 128 + number
 
 
 def run_check(args) -> int:

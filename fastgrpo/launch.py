@@ -9,8 +9,9 @@ Ctrl-C or SIGTERM to this launcher goes to the rank processes (torchrun's childr
 exit in their own time; torchrun, never signalled, then ends. A second signal goes to torchrun,
 which stops the ranks at once (their second signal: abort, the previous checkpoint intact).
 Where the ranks cannot be listed (no /proc), the first signal goes to torchrun as before. The
-ranks a stop ended exit 0 (`STARTED_BY_LAUNCHER`), so torchrun reports no failure; this launcher
-returns 128 + the signal's number, as a shell would for one process.
+ranks a relayed stop ended exit 0 (the file `STARTED_BY_LAUNCHER` names exists then), so torchrun
+reports no failure; this launcher returns 128 + the signal's number, as a shell would for one
+process. A rank signalled by anything else exits 128 + its signal's number, and so does the job.
 
 torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches it only through here
 (and a scheduler's signal to this process's group does not reach it twice).
@@ -19,9 +20,11 @@ torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches it on
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from fastgrpo.config import ConfigError
@@ -71,20 +74,28 @@ def signal_ranks(torchrun_pid: int, signum: int) -> list[int]:
 def run_under_torchrun(nproc: int, given: list[str]) -> int:
     """Run `fastgrpo <given>` as `nproc` ranks; torchrun's exit code, or 128 + the signal's
     number for a run stopped by a signal (the shell's convention)."""
-    env = {**os.environ, STARTED_BY_LAUNCHER: "1"}
+    folder = Path(tempfile.mkdtemp(prefix="fastgrpo-launch-"))
+    mark = folder / "stop-relayed"  # made before a relayed signal: the ranks then exit 0
+    env = {**os.environ, STARTED_BY_LAUNCHER: str(mark)}
     launcher = subprocess.Popen(torchrun_command(nproc, given), env=env, start_new_session=True)
     relayed: list[int] = []
 
     def relay(signum, _frame):
-        if not relayed and signal_ranks(launcher.pid, signum):
-            relayed.append(signum)
-            return
+        if not relayed:
+            mark.touch()
+            if signal_ranks(launcher.pid, signum):
+                relayed.append(signum)
+                return
+            mark.unlink()
         relayed.append(signum)
         launcher.send_signal(signum)  # the second signal, or no rank to reach: torchrun stops them
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, relay)
-    code = launcher.wait()
+    try:
+        code = launcher.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     if code < 0:  # torchrun killed by a signal
         return 128 - code
-    return 128 + relayed[0] if relayed else code
+    return 128 + relayed[0] if relayed and code == 0 else code

@@ -42,10 +42,17 @@ STARTED_BY_LAUNCHER = "FASTGRPO_STARTED_BY_LAUNCHER"  # set by `fastgrpo train -
 
 
 def started_by_launcher() -> bool:
-    """This process is a rank that `fastgrpo train --nproc` started: its stop signals come from
-    that launcher, with no deadline after them, and a stop ends it with exit code 0 (the
-    launcher returns 128 + the signal's number for the job)."""
-    return os.environ.get(STARTED_BY_LAUNCHER) == "1"
+    """This process is a rank that `fastgrpo train --nproc` started: torchrun, never signalled by
+    that launcher, sets no deadline after a stop signal."""
+    return bool(os.environ.get(STARTED_BY_LAUNCHER))
+
+
+def stop_relayed_by_launcher() -> bool:
+    """The stop signal this rank got came from `fastgrpo train --nproc`, which then returns
+    128 + the signal's number for the job: the rank exits 0 (torchrun would call a non-zero exit
+    a failure). The launcher's mark: the file FASTGRPO_STARTED_BY_LAUNCHER names exists."""
+    path = os.environ.get(STARTED_BY_LAUNCHER)
+    return bool(path) and Path(path).exists()
 
 
 def debug() -> bool:
