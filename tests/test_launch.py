@@ -20,10 +20,13 @@ import os, pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
 rank = os.environ["RANK"]
 def stop(signum, frame):
+    mark = os.environ.get("FASTGRPO_STARTED_BY_LAUNCHER", "")
+    relayed = bool(mark) and os.path.exists(mark)  # the launcher's mark of a stop it relayed
     time.sleep(2)  # a save that takes its time: torchrun must not cut it short
-    (out / f"rank{rank}.stopped").write_text(signal.Signals(signum).name)
+    (out / f"rank{rank}.stopped").write_text(f"{signal.Signals(signum).name} {relayed}")
     sys.exit(0)
 signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
 (out / f"rank{rank}.pid").write_text(str(os.getpid()))
 time.sleep(120)
 """
@@ -87,7 +90,7 @@ def test_a_stop_reaches_every_rank_and_not_torchrun_which_then_ends_cleanly(tmp_
     assert sorted(signal_ranks(torchrun.pid, signal.SIGINT)) == ranks
     out = _finish(torchrun)
     assert torchrun.returncode == 0, out[-2000:]
-    assert [(tmp_path / f"rank{r}.stopped").read_text() for r in (0, 1)] == ["SIGINT"] * 2
+    assert [(tmp_path / f"rank{r}.stopped").read_text() for r in (0, 1)] == ["SIGINT False"] * 2
 
 
 @LISTS_PROCESSES
@@ -102,3 +105,48 @@ def test_the_same_stop_sent_to_torchrun_is_cut_short_by_its_grace_period(tmp_pat
     out = _finish(torchrun)
     assert torchrun.returncode != 0
     assert not list(tmp_path.glob("rank*.stopped")), out[-2000:]
+
+
+LAUNCHER = """
+import sys
+from fastgrpo import launch
+launch.torchrun_command = lambda nproc, given: [
+    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *given
+]
+sys.exit(launch.run_under_torchrun(2, sys.argv[1:]))
+"""
+
+
+@LISTS_PROCESSES
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "two-signals"])
+def test_the_launcher_relays_one_stop_to_the_ranks_and_a_second_to_torchrun(tmp_path, signals):
+    """`run_under_torchrun` over ranks of RANK_SCRIPT: one SIGTERM reaches the ranks with the
+    launcher's mark, they take their 2 s and the launcher exits 143; a second one goes to
+    torchrun, which kills them mid-save (grace period 1 s)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(script), str(tmp_path)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "no ranks started"
+            time.sleep(0.2)
+        for _ in range(signals):
+            launcher.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        out = launcher.communicate(timeout=60)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stopped = sorted(p.read_text() for p in tmp_path.glob("rank*.stopped"))
+    if signals == 1:
+        assert launcher.returncode == 128 + signal.SIGTERM, out[-2000:]
+        assert stopped == ["SIGTERM True"] * 2
+    else:
+        assert launcher.returncode not in (0, 128 + signal.SIGTERM) and stopped == [], out[-2000:]
+    assert not list(tmp_path.glob("fastgrpo-launch-*"))
