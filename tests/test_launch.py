@@ -127,6 +127,7 @@ def test_the_launcher_relays_one_stop_to_the_ranks_and_a_second_to_torchrun(tmp_
     script.write_text(RANK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    env["TMPDIR"] = str(tmp_path)  # where the launcher makes its folder (gone at the end)
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(script), str(tmp_path)], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -136,6 +137,7 @@ def test_the_launcher_relays_one_stop_to_the_ranks_and_a_second_to_torchrun(tmp_
         while len(list(tmp_path.glob("rank*.pid"))) < 2:
             assert launcher.poll() is None and time.monotonic() < deadline, "no ranks started"
             time.sleep(0.2)
+        assert len(list(tmp_path.glob("fastgrpo-launch-*"))) == 1
         for _ in range(signals):
             launcher.send_signal(signal.SIGTERM)
             time.sleep(0.3)
