@@ -233,6 +233,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings, seed: int = 0) -> lis
                 originals[id(param)] = (param, param.detach().clone())
             param.requires_grad_(True)
     model.__dict__[_ORIGINALS] = list(originals.values())
+    model.__dict__[_ADAPTED] = list(lora_modules(model).values())
     return names
 
 
@@ -243,6 +244,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 _ORIGINALS = "_fastgrpo_lora_originals"  # (trained parameter, its base value) of modules_to_save
+_ADAPTED = "_fastgrpo_lora_adapted"  # the LoraLinear modules, listed once for `adapters_off`
 
 
 def saved_module_names(model: nn.Module, targets: list[str], exclude=()) -> list[str]:
@@ -269,11 +271,15 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
 @contextmanager
 def adapters_off(model: nn.Module):
     """The base model inside the block (the LoRA reference): every adapter switched off, and the
-    modules trained whole (`modules_to_save`) holding their original tensors."""
-    modules = list(lora_modules(model).values())
+    modules trained whole (`modules_to_save`) holding their original tensors. Called before
+    every reference pass: the adapted modules are listed once (`add_adapters`), not found by a
+    walk of the whole model each time, and `enabled` is set as the plain attribute it is."""
+    modules = model.__dict__.get(_ADAPTED)
+    if modules is None:
+        modules = list(lora_modules(model).values())
     swapped = model.__dict__.get(_ORIGINALS, [])
     for m in modules:
-        m.enabled = False
+        m.__dict__["enabled"] = False
     trained = [param.data for param, _ in swapped]
     for param, original in swapped:
         param.data = original
@@ -281,7 +287,7 @@ def adapters_off(model: nn.Module):
         yield model
     finally:
         for m in modules:
-            m.enabled = True
+            m.__dict__["enabled"] = True
         for (param, _), data in zip(swapped, trained):
             param.data = data
 
@@ -402,6 +408,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             plain.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
         _replace(model, name, plain)
     model.__dict__.pop(_ORIGINALS, None)  # the base values of modules_to_save: no use now
+    model.__dict__.pop(_ADAPTED, None)
     return model
 
 

@@ -4,6 +4,7 @@ weights, peft's scaling (rsLoRA too) and init, files peft loads, and the pieces 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -154,6 +155,11 @@ def test_adapters_off_is_the_base_model():
     on = logits(ours)
     assert torch.equal(off, want)
     assert (on - want).abs().max() > 1e-2  # and on again after the block
+    twin = copy.deepcopy(ours)  # its own list of adapted modules (listed once by add_adapters)
+    with adapters_off(twin):
+        assert torch.equal(logits(twin), want)
+        assert torch.equal(logits(ours), on)  # the original's adapters stay on
+    assert torch.equal(logits(twin), on)
 
 
 def test_the_merged_copy_gives_the_adapted_logits_shares_the_rest_and_follows_updates():
