@@ -337,14 +337,16 @@ class CapturedLayers:
 
     def _addresses(self) -> tuple | None:
         """The addresses the graphs read (every layer parameter, packed projection and LoRA
-        factor) and the identity of every child module (a module wrapped or replaced since the
-        recording changes it); None before `_watch`. A flat walk: no recursion, no refill."""
+        factor), the identity of every child module (a module wrapped or replaced since the
+        recording changes it) and whether each adapter is on; None before `_watch`. A flat
+        walk: no recursion, no refill."""
         if self._modules is None:
             return None
         addresses = [
             p.data_ptr() for m in self._modules for p in m._parameters.values() if p is not None
         ]
         addresses += [id(c) for m in self._modules for c in m._modules.values()]
+        addresses += [m.__dict__.get("enabled") for m in self._modules]  # LoRA adapters on/off
         for owner, name in self._packed:  # read live: a repack replaces the object
             packed = getattr(owner, name)
             addresses += [None] if packed is None else [packed.weight.data_ptr(), packed.intact()]

@@ -318,6 +318,11 @@ def test_the_address_check_sees_moved_tensors_and_wrapped_modules_and_the_refill
     torch.testing.assert_close(f.b_bd[: q.out_features, :rank], q.lora_B.weight, rtol=0, atol=0)
     assert captured._addresses() == first
 
+    q.enabled = False  # an adapter switched off: its group's product leaves the graphs
+    assert captured._addresses() != first
+    q.enabled = True
+    assert captured._addresses() == first
+
     norm = model.model.layers[-1].post_attention_layernorm
     norm.weight = nn.Parameter(norm.weight.detach().clone())
     moved = captured._addresses()
