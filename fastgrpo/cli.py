@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="train on N GPUs (or CPU processes) of this machine, data parallel: shorthand for "
         "`torchrun --standalone --nproc-per-node N -m fastgrpo train ...`; "
-        "rollout.prompts_per_step stays the global batch",
+        "rollout.prompts_per_step stays the global batch; Ctrl-C reaches the ranks, which finish "
+        "or drop the step and save (once more: stop at once)",
     )
     train.add_argument(
         "--profile",
