@@ -74,10 +74,16 @@ def signal_ranks(torchrun_pid: int, signum: int) -> list[int]:
 def run_under_torchrun(nproc: int, given: list[str]) -> int:
     """Run `fastgrpo <given>` as `nproc` ranks; torchrun's exit code, or 128 + the signal's
     number for a run stopped by a signal (the shell's convention)."""
+    command = torchrun_command(nproc, given)  # a bad --nproc is refused before anything is made
     folder = Path(tempfile.mkdtemp(prefix="fastgrpo-launch-"))
     mark = folder / "stop-relayed"  # made before a relayed signal: the ranks then exit 0
-    env = {**os.environ, STARTED_BY_LAUNCHER: str(mark)}
-    launcher = subprocess.Popen(torchrun_command(nproc, given), env=env, start_new_session=True)
+    try:
+        launcher = subprocess.Popen(
+            command, env={**os.environ, STARTED_BY_LAUNCHER: str(mark)}, start_new_session=True
+        )
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     relayed: list[int] = []
 
     def relay(signum, _frame):

@@ -46,6 +46,18 @@ def test_the_torchrun_command_drops_nproc_and_refuses_what_cannot_run(monkeypatc
         torchrun_command(2, ["train"])
 
 
+def test_a_refused_launch_leaves_nothing_behind(monkeypatch, tmp_path):
+    import tempfile
+
+    from fastgrpo.launch import run_under_torchrun
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ConfigError, match="--nproc 0"):
+        run_under_torchrun(0, ["train"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def _start_torchrun(tmp_path) -> tuple[subprocess.Popen, list[int]]:
     """torchrun with 2 ranks of RANK_SCRIPT, its grace period after a signal set to 1 s; the
     ranks' process ids once both run."""
