@@ -104,6 +104,13 @@ def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     return made
 
 
+def cached_factors(linears) -> Factors | None:
+    """The group's cached `Factors` as they are, without the staleness check or refill that
+    `factors` does (None before `factors` made them)."""
+    cached = linears[0].__dict__.get(CACHE)
+    return None if cached is None else cached[1]
+
+
 def make_factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     """New `Factors` of the group's current adapters (not cached)."""
     adapted = [m for m in linears if has_adapter(m)]

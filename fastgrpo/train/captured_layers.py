@@ -44,8 +44,7 @@ from fastgrpo.cuda_graphs import capture
 from fastgrpo.models import Transformer
 from fastgrpo.models.attention import SharedKeys, flash_serves
 from fastgrpo.models.lora_decode import layer_groups
-from fastgrpo.models.lora_train import CACHE as FACTORS_CACHE
-from fastgrpo.models.lora_train import factors, fill_factors_of, has_adapter
+from fastgrpo.models.lora_train import cached_factors, factors, fill_factors_of, has_adapter
 from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.logprobs import HostLayout, kept_hidden, layout_of
@@ -262,8 +261,8 @@ class CapturedLayers:
     def _graphed(self, bucket: tuple, args: tuple):
         """The bucket's layers: eagerly the first time it comes (what lazily initialises the
         kernels for its shapes), recorded the second time (`_Recorded`), replayed after."""
-        if self._addresses() != self.addresses or self.addresses is None:
-            # recorded against other tensors (or nothing recorded yet): record again
+        if self._modules is None or self._addresses() != self.addresses:
+            # nothing watched yet, or recorded against other tensors: record again
             self._watch()
             self.graphs.clear()
             self.grad_buffers = None
@@ -356,8 +355,7 @@ class CapturedLayers:
 
     def _factors(self) -> list:
         """The adapted groups' cached `Factors` as they are (None where there is none)."""
-        cached = [linears[0].__dict__.get(FACTORS_CACHE) for linears in self._groups]
-        return [None if c is None else c[1] for c in cached]
+        return [cached_factors(linears) for linears in self._groups]
 
     def _refill_factors(self) -> None:
         """LoRA's factors from the adapters as they are now, in place: recorded at the head of
