@@ -1,78 +1,141 @@
-"""Why a LoRA run's engine log-probs sit further from the trainer's than in full fine-tuning, on
-the CPU: the engine samples from merged bf16 weights, W + s B A rounded once, while the trainer
-computes the bf16 base W plus the low-rank product apart. In full fine-tuning both sides use the
-same bf16 weights, so only their kernels differ.
+"""Where a LoRA run's sampler-trainer log-prob gap comes from, on the bench's own workload
+(`bench_step.py`'s 0.5B shape, 8 prompts x 8 x 256 tokens, LoRA r=16 on every linear, and the
+full fine-tune beside it).
 
-A random Llama of the 0.5B shape's widths (896 / 4864, 14 heads, 2 KV heads), 4 layers, vocab
-4096, weights N(0, 0.02); adapters r=16, alpha 32 on every linear, B drawn at several scales
-(B starts at zero; Adam moves it by about the learning rate a step). For each scale, the kept
-tokens' log-probs of a random rollout three ways: the trainer's bf16 path, the merged bf16 copy
-(`MergedWeights`, what the engine reads) and fp32 with exact W + s B A. Prints the mean and max
-|difference| per pair.
+At step 0 and after 22 steps, one rollout of the bench's prompts by the engine (what the trainer
+samples from) is scored by `completion_logprobs` (the old log-probs' path, fused LM head) in
+several ways, each against the engine's own log-probs of its samples (mean and max |difference|):
 
-    python -m benchmarks.lab.lora_logp_gap
+- LoRA, `merged forward`: the trainer as it runs, its adapted GEMMs reading the merged weights
+  the engine samples from (`lora_train.merged_weight`);
+- LoRA, `low-rank`: the same model with the merged weights detached, so the trainer computes the
+  bf16 base plus the low-rank product apart (the path before the merged forward);
+- LoRA, `plain merged`: the engine's merged copy itself scored as a plain model, i.e. full
+  fine-tuning's path on the same weights;
+- full: the full fine-tune's trainer.
+
+`--learning-rate` sets train.learning_rate for both runs (1e-30: steps that move no weight, a
+control for what training itself does to the gap). Prints a table and a final JSON line.
+
+    python -m benchmarks.lab.lora_logp_gap [--learning-rate 1e-30]
 """
 
 from __future__ import annotations
 
-import copy
+import argparse
+import json
 
 import torch
-from transformers import LlamaConfig
 
-from fastgrpo.models import Transformer
-from fastgrpo.models.lora import LoraSettings, MergedWeights, add_adapters
-from fastgrpo.models.model_config import ModelConfig
-from fastgrpo.train.logprobs import kept_hidden
-from tests.train.test_captured_layers import random_rollout
+import benchmarks.bench_step as bench
+from fastgrpo.config import TrainConfig
+from fastgrpo.models.lora_train import MERGED
+from fastgrpo.train.logprobs import completion_logprobs
+from fastgrpo.train.step import grpo_step, sample_completions
 
-SCALES = (0.0, 5e-4, 2e-3, 1e-2)
+STEPS = (0, 22)
 
 
-def kept_logprobs(model, rollout) -> torch.Tensor:
-    """The kept completion tokens' log-probs, the LM head in fp32 (only the layers differ)."""
-    with torch.no_grad():
-        hidden = kept_hidden(model, rollout).float()
-        logp = torch.log_softmax(hidden @ model.lm_head_weight.float().t(), -1)
-        ids = rollout.completion_ids[rollout.completion_mask.bool()]
-        return logp.gather(1, ids[:, None])[:, 0]
+def engine_rollout(config, trainer, examples):
+    """A rollout of the examples by the trainer's engine, with the sampler's log-probs."""
+    config.algo.importance_sampling_correction = True
+    try:
+        return sample_completions(
+            config, trainer.rollout_model, trainer.tokenizer, trainer.stop_ids, examples
+        )
+    finally:
+        config.algo.importance_sampling_correction = False
+
+
+def gaps(model, rollout, attached: dict, fused: bool) -> tuple[float, float, torch.Tensor]:
+    """(mean, max) |trainer - sampler| over the kept tokens, and the trainer's log-probs, with
+    `attached` ({module: merged weights}) set on the model while it scores."""
+    for module, merged in attached.items():
+        module.__dict__[MERGED] = merged
+    try:
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, rollout, fused=fused)
+    finally:
+        for module in attached:
+            module.__dict__.pop(MERGED, None)
+    keep = rollout.completion_mask.bool()
+    diff = (logp - rollout.sampling_logp)[keep].abs()
+    return diff.mean().item(), diff.max().item(), logp[keep]
+
+
+def measure(args, device, lora_rank: int) -> list[dict]:
+    original = bench.step_config
+
+    def step_config(a):
+        config = original(a)
+        if args.learning_rate is not None:
+            config.train.learning_rate = args.learning_rate
+        return config
+
+    bench.step_config = step_config
+    try:
+        config, trainer, examples = bench.synthetic_trainer(args, device, lora_rank=lora_rank)
+    finally:
+        bench.step_config = original
+    torch.manual_seed(0)
+    fused = device.type == "cuda"
+    rows, done = [], 0
+    for steps in STEPS:
+        for _ in range(steps - done):
+            grpo_step(config, trainer, examples)
+        done = steps
+        rollout = engine_rollout(config, trainer, examples)
+        model = trainer.model
+        merged = {m: m.__dict__.pop(MERGED) for m in model.modules() if MERGED in m.__dict__}
+        ways = {}
+        if lora_rank:
+            ways["LoRA, merged forward"] = gaps(model, rollout, merged, fused)
+            ways["LoRA, low-rank"] = gaps(model, rollout, {}, fused)
+            ways["LoRA, plain merged"] = gaps(trainer.lora_rollout.model, rollout, {}, fused)
+        else:
+            ways["full"] = gaps(model, rollout, {}, fused)
+        for module, weight in merged.items():  # as the trainer had them
+            module.__dict__[MERGED] = weight
+        same = None
+        if lora_rank:
+            a, c = ways["LoRA, merged forward"][2], ways["LoRA, plain merged"][2]
+            same = bool(torch.equal(a, c))
+        for name, (mean, worst, _) in ways.items():
+            row = {"way": name, "steps": steps, "mean": mean, "max": worst}
+            if same is not None and name == "LoRA, merged forward":
+                row["bitwise_plain_merged"] = same
+            rows.append(row)
+    del trainer
+    return rows
 
 
 def main():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
-        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    base = Transformer(ModelConfig.from_hf(config))
-    with torch.no_grad():
-        for p in base.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
-    rollout = random_rollout(config.vocab_size, groups=(4, 4))
-    print(
-        f"{'B scale':>8} {'trainer-merged':>15} {'(max)':>9} {'trainer-fp32':>13} {'merged-fp32':>12}"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--learning-rate", type=float, default=None, help="(default: the bench's)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (CPU smoke test)")
+    cli = parser.parse_args()
+    args = argparse.Namespace(
+        shape="tiny" if cli.tiny else "0.5B",
+        prompts=8,
+        samples=8,
+        prompt_len=128,
+        completion_len=256,
+        beta=0.04,
+        micro_batch_tokens=TrainConfig.micro_batch_tokens,
+        steps=max(STEPS),
+        warmup=0,
+        master_weights="auto",
+        cuda_graphs="auto",
+        learning_rate=cli.learning_rate,
     )
-    for scale in SCALES:
-        model = copy.deepcopy(base)
-        add_adapters(model, LoraSettings(rank=16, alpha=32.0))
-        with torch.no_grad():
-            for m in model.modules():
-                if hasattr(m, "lora_B") and scale:
-                    m.lora_B.weight.normal_(0, scale)
-        exact = kept_logprobs(model, rollout)
-        model = model.to(torch.bfloat16)
-        for m in model.modules():  # the adapters stay fp32 beside the bf16 base, as in training
-            if hasattr(m, "lora_A"):
-                m.lora_A.float(), m.lora_B.float()
-        trainer = kept_logprobs(model, rollout)
-        merged = kept_logprobs(MergedWeights(model).current(1), rollout)
-        gap = (trainer - merged).abs()
-        print(
-            f"{scale:>8g} {float(gap.mean()):>15.2e} {float(gap.max()):>9.2e} "
-            f"{float((trainer - exact).abs().mean()):>13.2e} "
-            f"{float((merged - exact).abs().mean()):>12.2e}"
-        )
+    device = torch.device(cli.device)
+    rows = measure(args, device, 16) + measure(args, device, 0)
+    print(f"{'way':24s} {'steps':>5s} {'mean':>10s} {'max':>10s}")
+    for r in rows:
+        note = "  (bitwise the plain merged model's)" if r.get("bitwise_plain_merged") else ""
+        print(f"{r['way']:24s} {r['steps']:5d} {r['mean']:10.3e} {r['max']:10.3e}{note}")
+    print(json.dumps({"lab": "lora_logp_gap", "learning_rate": cli.learning_rate, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastgrpo.cuda_graphs import capture
-from fastgrpo.models.lora_train import lora_linear, takes
+from fastgrpo.models.lora_decode import layer_groups
+from fastgrpo.models.lora_train import AFTER_STEP, MERGED, has_adapter, lora_linear, takes
 from fastgrpo.models.packed import packed_linear
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -156,14 +158,20 @@ class LoraLinear(nn.Linear):
         return merged
 
     @torch.no_grad()
-    def merge_into(self, out: torch.Tensor) -> None:
+    def merge_into(self, out: torch.Tensor, stochastic: bool = False) -> None:
         """out <- W + scaling * B A, computed in fp32 (one GEMM adding to W) and rounded once
-        to out's dtype, in blocks of rows whose fp32 copy holds at most MERGE_BLOCK values."""
+        to out's dtype, in blocks of rows whose fp32 copy holds at most MERGE_BLOCK values.
+        `stochastic` (bf16 out): each value rounds up with probability equal to its distance
+        from the bf16 below, so the merged weights equal W + s B A in expectation and a small
+        adapter change is not rounded away (as the trainer's bf16 refresh from its masters)."""
         rows = max(1, MERGE_BLOCK // self.in_features)
         for start in range(0, self.out_features, rows):
             end = min(start + rows, self.out_features)
             block = self.weight[start:end].to(torch.float32, copy=True)
             block.addmm_(self.lora_B.weight[start:end], self.lora_A.weight, alpha=self.scaling)
+            if stochastic and out.dtype == torch.bfloat16:  # add 16 random low bits, cut them
+                bits = block.view(torch.int32)
+                bits.add_(torch.empty_like(bits).random_(0, 1 << 16)).bitwise_and_(-(1 << 16))
             out[start:end].copy_(block)
 
 
@@ -416,7 +424,9 @@ class MergedWeights:
     """What the rollout engine samples from in a LoRA run: a model sharing every tensor of
     `model` but the adapted linears' weights, which hold W + scaling * B A (`refresh`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, stochastic: bool = False):
+        for m in model.modules():  # a previous copy's tensors: not copied, attached again below
+            m.__dict__.pop(MERGED, None)
         adapted = lora_modules(model)
         adapted_weights = {id(m.weight) for m in adapted.values()}
         memo = {
@@ -440,8 +450,33 @@ class MergedWeights:
         self.pairs = [(self.model.get_submodule(n), m) for n, m in adapted.items()]
         if packs:
             self.model.pack_projections()
+        self.stochastic = stochastic
         self.version = None
+        self._stepped = None  # the adapters' version counters when `_after_step` merged them
         self._graph = None  # (the addresses it was captured with, the merge's CUDA graph)
+        self._attach(model)
+        hook = _weak_call(self._after_step)  # a step refreshes the copy the trainer reads
+        AFTER_STEP.append(hook)
+        weakref.finalize(self, AFTER_STEP.remove, hook)
+
+    def _attach(self, model: nn.Module) -> None:
+        """Give each adapted group of `model`'s native layers its merged weight (`MERGED`: the
+        packed q/k/v or gate/up tensor, or a single linear's), so the trainer's forward computes
+        with the weights the engine samples from (`lora_train.merged_weight`)."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+            return
+        for layer, copy_layer in zip(layers, self.model.model.layers):
+            groups, copies = layer_groups(layer), layer_groups(copy_layer)
+            for name, linears in groups.items():
+                if not any(has_adapter(m) for m in linears):
+                    continue
+                for m, twin in zip(linears, copies[name]):  # each alone (the unpacked path)
+                    if has_adapter(m):
+                        m.__dict__[MERGED] = {1: twin.weight}
+                packed = _packed(copy_layer, name) if len(linears) > 1 else None
+                if packed is not None:  # the group's packed GEMM
+                    linears[0].__dict__.setdefault(MERGED, {})[len(linears)] = packed.weight
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -462,7 +497,7 @@ class MergedWeights:
 
     def _merge(self) -> None:
         for plain, lora in self.pairs:
-            lora.merge_into(plain.weight)
+            lora.merge_into(plain.weight, self.stochastic)
 
     def _addresses(self) -> tuple:
         return tuple(
@@ -471,13 +506,44 @@ class MergedWeights:
             for t in (plain.weight, lora.weight, lora.lora_A.weight, lora.lora_B.weight)
         )
 
+    def _after_step(self) -> None:
+        """An optimizer step changed the adapters: merge them now (the next forward, the
+        trainer's or the engine's, reads the merged weights), noting the adapters' version
+        counters, which a fused optimizer step leaves as they were and a load moves."""
+        self.refresh()
+        self._stepped = self._versions()
+
+    def _versions(self) -> tuple:
+        return tuple((m.lora_A.weight._version, m.lora_B.weight._version) for _, m in self.pairs)
+
     def current(self, version) -> nn.Module:
         """The merged model, refreshed first if the adapters changed since (`version`: anything
-        that changes when they do, such as the optimizer's step count)."""
+        that changes when they do, such as the optimizer's step count) and the step's own merge
+        (`_after_step`) has not already merged them as they are."""
         if version != self.version:
-            self.refresh()
+            if self._stepped != self._versions():
+                self.refresh()
+            self._stepped = None
             self.version = version
         return self.model
+
+
+def _weak_call(method):
+    """A callable that runs `method` while its object lives (a hook that keeps nothing alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
+def _packed(layer, name: str):
+    """A native layer's packed projection of group `name` (q/k/v or gate/up), or None."""
+    owner, attribute = {"qkv": ("self_attn", "qkv"), "gate_up": ("mlp", "gate_up")}[name]
+    return getattr(getattr(layer, owner), attribute, None)
 
 
 def _take_packs(model) -> list:

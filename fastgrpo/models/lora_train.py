@@ -70,14 +70,30 @@ class Factors:
 
 
 CACHE = "_lora_factors"  # attribute of a group's first linear: (key, Factors)
-_STEPS = [0]  # optimizer steps that changed adapters (`adapters_stepped`)
+MERGED = "_lora_merged_weight"  # attribute of an adapted linear: {group size: merged weight}
+STEPS = [0]  # optimizer steps that changed adapters (`adapters_stepped`)
+AFTER_STEP: list = []  # callables run after an optimizer step changed adapters (MergedWeights)
 
 
 def adapters_stepped() -> None:
-    """An optimizer changed adapters in place: every cached `Factors` is refilled. Needed
-    because fused AdamW (the trainer's on GPUs) leaves the parameters' version counters as they
-    were; every other in-place change (a load, a copy) moves them."""
-    _STEPS[0] += 1
+    """An optimizer changed adapters in place: every cached `Factors` is refilled, and the
+    merged copies the trainer computes with are refreshed now (`AFTER_STEP`). Needed because
+    fused AdamW (the trainer's on GPUs) leaves the parameters' version counters as they were;
+    every other in-place change (a load, a copy) moves them."""
+    STEPS[0] += 1
+    for refresh in list(AFTER_STEP):
+        refresh()
+
+
+def merged_weight(linears, packed) -> torch.Tensor | None:
+    """The group's merged weight, W + s B A rounded to the activations' dtype as the rollout
+    engine reads it (`MergedWeights` attaches it), for the forward and x's gradient: the
+    trainer then computes the policy the engine samples, as full fine-tuning's bf16 copy of
+    its fp32 masters is; None where none is attached (the base and the low-rank product)."""
+    attached = linears[0].__dict__.get(MERGED, {})  # {group size: merged weight}
+    if len(linears) > 1 and (packed is None or not packed.intact()):
+        return None  # a group's is attached for its packed GEMM only
+    return attached.get(len(linears))
 
 
 def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
@@ -89,7 +105,7 @@ def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     shapes = (dtype, device) + tuple((id(m.lora_A.weight), m.scaling) for m in adapted)
     key = (
         shapes
-        + (_STEPS[0],)
+        + (STEPS[0],)
         + tuple((m.lora_A.weight._version, m.lora_B.weight._version) for m in adapted)
     )
     cached = linears[0].__dict__.get(CACHE)
@@ -203,15 +219,21 @@ def _gemm_then_cast(a, b, alpha, dtype):
 
 class LowRankLinear(torch.autograd.Function):
     """x W^T + b + alpha (x a_cat^T) b_bd^T: a frozen (packed) linear and its adapters
-    (`Factors`). `params`: the A's then the B's, the parameters that receive the gradients."""
+    (`Factors`); with `merged` (W + s B A rounded as the engine reads it, `merged_weight`)
+    x merged^T + b instead, x's gradient through `merged`, the adapters' gradients the same
+    (straight through the rounding). `params`: the A's then the B's, which get gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, f: Factors, *params):
+    def forward(ctx, x, weight, bias, f: Factors, merged, *params):
         flat = x.reshape(-1, x.shape[-1])
-        low = flat @ f.a_cat.t()  # (T, R)
-        y = F.linear(flat, weight, bias)  # (T, out)
-        y.addmm_(low, f.b_bd.t(), alpha=f.alpha)
-        ctx.f = f
+        low = flat @ f.a_cat.t()  # (T, R): kept for the B's gradients either way
+        if merged is not None:  # the merged weight holds the low-rank part already
+            y = F.linear(flat, merged, bias)
+            weight = merged
+        else:
+            y = F.linear(flat, weight, bias)  # (T, out)
+            y.addmm_(low, f.b_bd.t(), alpha=f.alpha)
+        ctx.f, ctx.merged = f, merged is not None
         ctx.save_for_backward(x, weight, low, *params)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -223,11 +245,14 @@ class LowRankLinear(torch.autograd.Function):
         d_low = flat @ f.b_bd  # (T, R): the gradient of low, over alpha
         grad_x = None
         if ctx.needs_input_grad[0]:
-            # in place: an out-of-place addmm copies its (T, in) input first (a memcpy per
-            # group per micro-batch, ~4 ms of an update at the 0.5B shape)
-            grad_x = (flat @ weight).addmm_(d_low, f.a_cat, alpha=f.alpha).view_as(x)
+            grad_x = flat @ weight
+            if not ctx.merged:
+                # in place: an out-of-place addmm copies its (T, in) input first (a memcpy per
+                # group per micro-batch, ~4 ms of an update at the 0.5B shape)
+                grad_x.addmm_(d_low, f.a_cat, alpha=f.alpha)
+            grad_x = grad_x.view_as(x)
         grad_a, grad_b = _adapter_grads(flat, d_low, x.reshape(-1, x.shape[-1]), low, f, params)
-        return grad_x, None, None, None, *grad_a, *grad_b
+        return grad_x, None, None, None, None, *grad_a, *grad_b
 
 
 def _adapter_grads(grad_out, d_low, x, low, f: Factors, params):
@@ -261,6 +286,7 @@ def lora_linear(x: torch.Tensor, linears, packed=None) -> torch.Tensor:
         weight,
         bias,
         factors(linears, x.dtype, x.device),
+        merged_weight(linears, packed),
         *[m.lora_A.weight for m in adapted],
         *[m.lora_B.weight for m in adapted],
     )
@@ -271,12 +297,16 @@ class LoraSiluMulLinear(torch.autograd.Function):
     (T, r) product: silu(gate) * up is recomputed in the backward by the same kernel."""
 
     @staticmethod
-    def forward(ctx, gate_up, inner, weight, bias, f: Factors, a, b):
+    def forward(ctx, gate_up, inner, weight, bias, f: Factors, merged, a, b):
         act = silu_mul_triton(*gate_up.split(inner, dim=-1))  # (T, I)
         low = act @ f.a_cat.t()  # (T, r)
-        out = F.linear(act, weight, bias)
-        out.addmm_(low, f.b_bd.t(), alpha=f.alpha)
-        ctx.inner, ctx.f = inner, f
+        if merged is not None:  # the merged weight holds the low-rank part already
+            out = F.linear(act, merged, bias)
+            weight = merged
+        else:
+            out = F.linear(act, weight, bias)
+            out.addmm_(low, f.b_bd.t(), alpha=f.alpha)
+        ctx.inner, ctx.f, ctx.merged = inner, f, merged is not None
         ctx.save_for_backward(gate_up, weight, low, a, b)
         return out
 
@@ -286,10 +316,12 @@ class LoraSiluMulLinear(torch.autograd.Function):
         f = ctx.f
         d_out = d_out.contiguous()
         d_low = d_out @ f.b_bd  # (T, r)
-        d_act = (d_out @ weight).addmm_(d_low, f.a_cat, alpha=f.alpha)  # (T, I), in place
+        d_act = d_out @ weight  # (T, I)
+        if not ctx.merged:
+            d_act.addmm_(d_low, f.a_cat, alpha=f.alpha)  # in place
         d_gate_up, act = silu_mul_backward_triton(gate_up, d_act, ctx.inner, True)
         (grad_a,), (grad_b,) = _adapter_grads(d_out, d_low, act, low, f, (a, b))
-        return d_gate_up, None, None, None, None, grad_a, grad_b
+        return d_gate_up, None, None, None, None, None, grad_a, grad_b
 
 
 def lora_silu_mul_linear(gate_up: torch.Tensor, inner: int, down) -> torch.Tensor | None:
@@ -298,6 +330,7 @@ def lora_silu_mul_linear(gate_up: torch.Tensor, inner: int, down) -> torch.Tenso
     if not takes([down]) or not _train_kernels_take(gate_up):
         return None
     f = factors([down], gate_up.dtype, gate_up.device)
+    merged = merged_weight([down], None)
     return LoraSiluMulLinear.apply(
-        gate_up, inner, down.weight, down.bias, f, down.lora_A.weight, down.lora_B.weight
+        gate_up, inner, down.weight, down.bias, f, merged, down.lora_A.weight, down.lora_B.weight
     )

@@ -44,7 +44,7 @@ from fastgrpo.cuda_graphs import capture
 from fastgrpo.models import Transformer
 from fastgrpo.models.attention import SharedKeys, flash_serves
 from fastgrpo.models.lora_decode import layer_groups
-from fastgrpo.models.lora_train import cached_factors, factors, fill_factors_of, has_adapter
+from fastgrpo.models.lora_train import MERGED, cached_factors, factors, fill_factors_of, has_adapter
 from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.logprobs import HostLayout, kept_hidden, layout_of
@@ -351,6 +351,9 @@ class CapturedLayers:
             addresses += [None] if packed is None else [packed.weight.data_ptr(), packed.intact()]
         for f in self._factors():
             addresses += [None] if f is None else [f.a_cat.data_ptr(), f.b_bd.data_ptr()]
+        for linears in self._groups:  # the merged weights the trainer's forward reads (LoRA)
+            merged = linears[0].__dict__.get(MERGED, {}).get(len(linears))
+            addresses.append(None if merged is None else merged.data_ptr())
         return tuple(addresses)
 
     def _factors(self) -> list:

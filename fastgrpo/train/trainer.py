@@ -321,7 +321,8 @@ def build_trainer(
     lora_rollout = None
     if lora is not None and native:
         merge = config.lora.merge_for_rollout
-        lora_rollout = MergedWeights(model) if merge else DecodeAdapters(model)
+        stochastic = config.train.bf16_rounding == "stochastic"
+        lora_rollout = MergedWeights(model, stochastic) if merge else DecodeAdapters(model)
     return Trainer(
         model,
         ref_model,

@@ -29,6 +29,7 @@ from fastgrpo.models.lora import (
     save_adapters,
     target_names,
 )
+from fastgrpo.models.lora_train import MERGED
 from tests.models.test_transformer import FAMILIES, SEQUENCES, build_pair, packed_batch
 
 peft = pytest.importorskip("peft")
@@ -162,13 +163,18 @@ def test_adapters_off_is_the_base_model():
     assert torch.equal(logits(twin), on)
 
 
-def test_the_merged_copy_gives_the_adapted_logits_shares_the_rest_and_follows_updates():
+def packed_adapted_with_merged_copy():
+    """A packed native model with random adapters, its `MergedWeights`, and its HF config."""
     hf_config = FAMILIES["llama3-untied-bias"]()
     _, ours = build_pair(hf_config)
     ours.pack_projections()
     add_adapters(ours, LoraSettings(rank=4, alpha=8.0))
     randomise_adapters(ours)
-    merged = MergedWeights(ours)
+    return ours, MergedWeights(ours), hf_config
+
+
+def test_the_merged_copy_gives_the_adapted_logits_shares_the_rest_and_follows_updates():
+    ours, merged, hf_config = packed_adapted_with_merged_copy()
     engine = merged.current(0)
     assert engine.model.layers[0].is_packed()  # the engine's packed GEMMs, on merged weights
     assert engine.model.embed_tokens.weight is ours.model.embed_tokens.weight  # shared
@@ -176,16 +182,29 @@ def test_the_merged_copy_gives_the_adapted_logits_shares_the_rest_and_follows_up
     ids, positions, cu = packed_batch(hf_config.vocab_size)
     attend = ours.packed_attention(cu, 9)
 
-    def logits(model):
-        with torch.no_grad():
-            return model.logits(model(torch.cat(ids), positions, attend))
+    def logits(model, through_merged=True):
+        """The model's logits; `through_merged` False: the trainer's forward without the merged
+        weights `MergedWeights` attached to it (the base and the low-rank product)."""
+        saved = {} if through_merged else {
+            m: m.__dict__.pop(MERGED) for m in model.modules() if MERGED in m.__dict__
+        }  # fmt: skip
+        try:
+            with torch.no_grad():
+                return model.logits(model(torch.cat(ids), positions, attend))
+        finally:
+            for m, value in saved.items():
+                m.__dict__[MERGED] = value
 
-    torch.testing.assert_close(logits(engine), logits(ours), rtol=1e-5, atol=5e-5)
+    torch.testing.assert_close(logits(engine), logits(ours, False), rtol=1e-5, atol=5e-5)
     pointers = [p.data_ptr() for p in engine.parameters()]
     randomise_adapters(ours, seed=9)  # as an optimizer step would change them
-    assert merged.current(0) is engine and (logits(engine) - logits(ours)).abs().max() > 1e-3
+    stale = logits(engine)
+    assert merged.current(0) is engine and (stale - logits(ours, False)).abs().max() > 1e-3
+    # the trainer's forward reads the merged weights (stale here, as the engine's)
+    torch.testing.assert_close(logits(ours), stale, rtol=1e-6, atol=1e-6)
     merged.current(1)  # a new version: merged again, in place
-    torch.testing.assert_close(logits(engine), logits(ours), rtol=1e-5, atol=5e-5)
+    torch.testing.assert_close(logits(engine), logits(ours, False), rtol=1e-5, atol=5e-5)
+    torch.testing.assert_close(logits(ours), logits(engine), rtol=1e-6, atol=1e-6)
     assert [p.data_ptr() for p in engine.parameters()] == pointers  # CUDA graphs stay valid
 
 
@@ -532,3 +551,85 @@ def test_merging_in_blocks_of_rows_gives_w_plus_s_b_a_and_leaves_the_base_alone(
         want = base.double() + 1.5 * layer.lora_B.weight.double() @ layer.lora_A.weight.double()
         assert torch.equal(layer.weight, base)
         torch.testing.assert_close(merged, want.to(dtype))  # one rounding: the dtype's tolerance
+
+
+def test_a_stochastic_merge_rounds_each_value_to_a_bf16_neighbour_and_is_unbiased():
+    """`merge_into(out, stochastic=True)`: every merged value is one of the two bf16 values
+    around W + s B A (fp32), and their average over many merges comes far closer to it than
+    rounding to nearest does: a small adapter change is not rounded away on average."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    m = LoraLinear(base, LoraSettings(rank=4, alpha=8.0))
+    with torch.no_grad():
+        m.lora_B.weight.normal_(0, 1e-3)  # small: most of s B A is below half a bf16 ulp of W
+    exact = m.weight.float() + m.scaling * m.lora_B.weight @ m.lora_A.weight
+    nearest = torch.empty_like(m.weight)
+    m.merge_into(nearest)
+    below = exact.to(torch.bfloat16)
+    draws = []
+    for _ in range(400):
+        out = torch.empty_like(m.weight)
+        m.merge_into(out, stochastic=True)
+        draws.append(out.float())
+    draws = torch.stack(draws)
+    lo = torch.minimum(draws.min(0).values, exact)
+    assert bool(((draws == draws.min(0).values) | (draws == draws.max(0).values)).all())
+    spread = draws.max(0).values - draws.min(0).values
+    ulp = (below.float().abs() * 2.0**-7).clamp(min=1e-30)
+    assert bool((spread <= ulp * 1.01).all())  # two neighbours at most
+    assert bool((lo <= exact).all())
+    err_stochastic = (draws.mean(0) - exact).abs().mean()
+    err_nearest = (nearest.float() - exact).abs().mean()
+    assert err_stochastic < 0.25 * err_nearest
+
+
+def test_an_optimizer_step_refreshes_the_merged_weights_the_trainer_reads():
+    """`adapters_stepped` (every optimizer step) merges again at once: the trainer's next
+    forward, which reads the merged weights, sees the new adapters before any rollout."""
+    from fastgrpo.models.lora_train import adapters_stepped
+
+    ours, merged, hf_config = packed_adapted_with_merged_copy()
+    merged.current(0)
+    ids, positions, cu = packed_batch(hf_config.vocab_size)
+    attend = ours.packed_attention(cu, 9)
+
+    def logits():
+        with torch.no_grad():
+            return ours.logits(ours(torch.cat(ids), positions, attend))
+
+    before = logits()
+    randomise_adapters(ours, seed=9)
+    torch.testing.assert_close(logits(), before, rtol=1e-6, atol=1e-6)  # merged: not yet
+    adapters_stepped()
+    after = logits()
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(
+        after,
+        merged.model.logits(merged.model(torch.cat(ids), positions, attend)).detach(),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_the_step_merge_is_not_repeated_by_the_rollout_but_a_load_is_merged_again(monkeypatch):
+    """After the optimizer's merge (`adapters_stepped`) the rollout's `current(new version)`
+    merges nothing more; an adapter changed in place otherwise (a load moves its version
+    counter) is merged at the next version."""
+    from fastgrpo.models.lora_train import adapters_stepped
+
+    ours, merged, hf_config = packed_adapted_with_merged_copy()
+    merged.current(0)
+    merges = []
+    monkeypatch.setattr(merged, "_merge", lambda: merges.append(1))  # counted, not run
+    randomise_adapters(ours, seed=9)
+    adapters_stepped()
+    assert len(merges) == 1
+    merged.current(1)
+    assert len(merges) == 1  # the step's merge holds these adapters already
+    a = next(m for m in ours.modules() if hasattr(m, "lora_B"))
+    with torch.no_grad():
+        a.lora_B.weight.mul_(2.0)  # as a checkpoint load writes into the adapters
+    merged.current(2)
+    assert len(merges) == 2
+    merged.current(2)
+    assert len(merges) == 2  # same version: nothing to merge
