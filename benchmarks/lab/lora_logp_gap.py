@@ -15,9 +15,11 @@ several ways, each against the engine's own log-probs of its samples (mean and m
 - full: the full fine-tune's trainer.
 
 `--learning-rate` sets train.learning_rate for both runs (1e-30: steps that move no weight, a
-control for what training itself does to the gap). Prints a table and a final JSON line.
+control for what training itself does to the gap). `--full-trains` freezes all of the full
+fine-tune but the embedding and LM head (`head`), all but those (`body`) or all but the norms
+(`norms`): which of its updates move the gap. Prints a table and a final JSON line.
 
-    python -m benchmarks.lab.lora_logp_gap [--learning-rate 1e-30]
+    python -m benchmarks.lab.lora_logp_gap [--learning-rate 1e-30] [--full-trains body]
 """
 
 from __future__ import annotations
@@ -63,8 +65,23 @@ def gaps(model, rollout, attached: dict, fused: bool) -> tuple[float, float, tor
     return diff.mean().item(), diff.max().item(), logp[keep]
 
 
+def trains(name: str, part: str) -> bool:
+    """Whether parameter `name` of the full fine-tune trains under `--full-trains part`."""
+    head = "embed_tokens" in name or "lm_head" in name
+    return {"all": True, "head": head, "body": not head, "norms": "norm" in name}[part]
+
+
 def measure(args, device, lora_rank: int) -> list[dict]:
-    original = bench.step_config
+    original, original_model = bench.step_config, bench.random_native_model
+    made = []
+
+    def random_model(*a, **k):
+        model = original_model(*a, **k)
+        if not made and not lora_rank:  # the policy; the reference is made second
+            for name, param in model.named_parameters():
+                param.requires_grad_(trains(name, args.full_trains))
+        made.append(model)
+        return model
 
     def step_config(a):
         config = original(a)
@@ -72,11 +89,11 @@ def measure(args, device, lora_rank: int) -> list[dict]:
             config.train.learning_rate = args.learning_rate
         return config
 
-    bench.step_config = step_config
+    bench.step_config, bench.random_native_model = step_config, random_model
     try:
         config, trainer, examples = bench.synthetic_trainer(args, device, lora_rank=lora_rank)
     finally:
-        bench.step_config = original
+        bench.step_config, bench.random_native_model = original, original_model
     torch.manual_seed(0)
     fused = device.type == "cuda"
     rows, done = [], 0
@@ -112,6 +129,7 @@ def measure(args, device, lora_rank: int) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--learning-rate", type=float, default=None, help="(default: the bench's)")
+    parser.add_argument("--full-trains", choices=("all", "head", "body", "norms"), default="all")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (CPU smoke test)")
     cli = parser.parse_args()
@@ -128,6 +146,7 @@ def main():
         master_weights="auto",
         cuda_graphs="auto",
         learning_rate=cli.learning_rate,
+        full_trains=cli.full_trains,
     )
     device = torch.device(cli.device)
     rows = measure(args, device, 16) + measure(args, device, 0)
@@ -135,7 +154,8 @@ def main():
     for r in rows:
         note = "  (bitwise the plain merged model's)" if r.get("bitwise_plain_merged") else ""
         print(f"{r['way']:24s} {r['steps']:5d} {r['mean']:10.3e} {r['max']:10.3e}{note}")
-    print(json.dumps({"lab": "lora_logp_gap", "learning_rate": cli.learning_rate, "rows": rows}))
+    record = {"lab": "lora_logp_gap", "learning_rate": cli.learning_rate, "rows": rows}
+    print(json.dumps(record | {"full_trains": cli.full_trains}))
 
 
 if __name__ == "__main__":
