@@ -5,7 +5,7 @@ one process with the native model:
 
 - weights: the policy's parameters, and a reference model's (beta > 0, full fine-tuning; a LoRA
   run's reference is its own base with the adapters off, which costs nothing). A LoRA run's engine
-  samples from merged copies of the adapted linears' weights (`lora.MergedWeights`), unless
+  samples from merged copies of the adapted linears' weights (`lora_merged.MergedWeights`), unless
   `lora.merge_for_rollout` is false (its factors, `lora_decode`, are too small to count).
 - optimizer: per trainable parameter, its gradient in its own dtype (autograd accumulates it over
   the micro-batches) and AdamW's two moments in fp32; for bf16/fp16 parameters the fp32 masters

@@ -20,13 +20,13 @@ from fastgrpo.models import Transformer, load_model, stop_token_ids
 from fastgrpo.models.lora import (
     LoraError,
     LoraSettings,
-    MergedWeights,
     adapters_off,
     add_adapters,
     load_adapters,
     read_adapter_settings,
 )
 from fastgrpo.models.lora_decode import DecodeAdapters
+from fastgrpo.models.lora_merged import MergedWeights
 from fastgrpo.rewards import RewardSet
 from fastgrpo.train.captured_layers import CapturedLayers, token_step, why_eager
 from fastgrpo.train.logprobs import kept_hidden

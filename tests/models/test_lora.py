@@ -20,7 +20,6 @@ from fastgrpo.models.lora import (
     LoraError,
     LoraLinear,
     LoraSettings,
-    MergedWeights,
     adapters_off,
     add_adapters,
     load_adapters,
@@ -29,6 +28,7 @@ from fastgrpo.models.lora import (
     save_adapters,
     target_names,
 )
+from fastgrpo.models.lora_merged import MergedWeights
 from fastgrpo.models.lora_train import MERGED
 from tests.models.test_transformer import FAMILIES, SEQUENCES, build_pair, packed_batch
 

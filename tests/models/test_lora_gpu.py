@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from fastgrpo.models.lora import LoraSettings, MergedWeights, add_adapters, merge_adapters
+from fastgrpo.models.lora import LoraSettings, add_adapters, merge_adapters
 from fastgrpo.models.lora_decode import DecodeAdapters
+from fastgrpo.models.lora_merged import MergedWeights
 from fastgrpo.rollout.native_generate import engine_for, release_engine
 from fastgrpo.rollout.sampling import SamplingParams
 from tests.models.test_lora import randomise_adapters
