@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastgrpo.file_modes import make_readable
 from fastgrpo.models.lora_train import lora_linear, takes
 from fastgrpo.models.packed import packed_linear
 
@@ -330,8 +331,6 @@ def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapters(model: nn.Module, settings: LoraSettings, folder, base_model: str) -> None:
     """Write the adapters in peft's format into `folder`."""
     from safetensors.torch import save_file
-
-    from fastgrpo.models.native_io import make_readable
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.file_modes import make_readable
 from fastgrpo.models.sources import (
     ModelFileError,
     ModelNotFoundError,
@@ -178,13 +179,3 @@ def save_safetensors(model: Transformer, directory: str | Path) -> Path:
     save_file(state, str(path), metadata={"format": "pt"})
     make_readable(path)
     return path
-
-
-def make_readable(path: Path) -> None:
-    """Give a written file the mode the umask gives new files (safetensors writes it 0600,
-    so nobody else could load a model from a shared folder)."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
