@@ -246,9 +246,8 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-SAVED_ORIGINALS = (
-    "_fastgrpo_lora_originals"  # (trained parameter, its base value) of modules_to_save
-)
+# (trained parameter, its base value) of modules_to_save
+SAVED_ORIGINALS = "_fastgrpo_lora_originals"
 _ADAPTED = "_fastgrpo_lora_adapted"  # the LoraLinear modules, listed once for `adapters_off`
 
 

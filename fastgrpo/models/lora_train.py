@@ -71,7 +71,7 @@ class Factors:
 
 CACHE = "_lora_factors"  # attribute of a group's first linear: (key, Factors)
 MERGED = "_lora_merged_weight"  # attribute of an adapted linear: {group size: merged weight}
-STEPS = [0]  # optimizer steps that changed adapters (`adapters_stepped`)
+_STEPS = [0]  # optimizer steps that changed adapters (`adapters_stepped`)
 AFTER_STEP: list = []  # callables run after an optimizer step changed adapters (MergedWeights)
 
 
@@ -80,7 +80,7 @@ def adapters_stepped() -> None:
     merged copies the trainer computes with are refreshed now (`AFTER_STEP`). Needed because
     fused AdamW (the trainer's on GPUs) leaves the parameters' version counters as they were;
     every other in-place change (a load, a copy) moves them."""
-    STEPS[0] += 1
+    _STEPS[0] += 1
     for refresh in list(AFTER_STEP):
         refresh()
 
@@ -90,10 +90,15 @@ def merged_weight(linears, packed) -> torch.Tensor | None:
     engine reads it (`MergedWeights` attaches it), for the forward and x's gradient: the
     trainer then computes the policy the engine samples, as full fine-tuning's bf16 copy of
     its fp32 masters is; None where none is attached (the base and the low-rank product)."""
-    attached = linears[0].__dict__.get(MERGED, {})  # {group size: merged weight}
     if len(linears) > 1 and (packed is None or not packed.intact()):
         return None  # a group's is attached for its packed GEMM only
-    return attached.get(len(linears))
+    return attached_merged(linears)
+
+
+def attached_merged(linears) -> torch.Tensor | None:
+    """The merged weight `MergedWeights` attached for this group (its packed GEMM's when the
+    group has several linears), whether or not the packing is still intact; None if none."""
+    return linears[0].__dict__.get(MERGED, {}).get(len(linears))  # {group size: merged weight}
 
 
 def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
@@ -105,7 +110,7 @@ def factors(linears, dtype: torch.dtype, device: torch.device) -> Factors:
     shapes = (dtype, device) + tuple((id(m.lora_A.weight), m.scaling) for m in adapted)
     key = (
         shapes
-        + (STEPS[0],)
+        + (_STEPS[0],)
         + tuple((m.lora_A.weight._version, m.lora_B.weight._version) for m in adapted)
     )
     cached = linears[0].__dict__.get(CACHE)

@@ -44,7 +44,13 @@ from fastgrpo.cuda_graphs import capture
 from fastgrpo.models import Transformer
 from fastgrpo.models.attention import SharedKeys, flash_serves
 from fastgrpo.models.lora_decode import layer_groups
-from fastgrpo.models.lora_train import MERGED, cached_factors, factors, fill_factors_of, has_adapter
+from fastgrpo.models.lora_train import (
+    attached_merged,
+    cached_factors,
+    factors,
+    fill_factors_of,
+    has_adapter,
+)
 from fastgrpo.rollout.engine import GRAPH_POOLS_IDLE
 from fastgrpo.rollout.types import Rollout
 from fastgrpo.train.logprobs import HostLayout, kept_hidden, layout_of
@@ -352,7 +358,7 @@ class CapturedLayers:
         for f in self._factors():
             addresses += [None] if f is None else [f.a_cat.data_ptr(), f.b_bd.data_ptr()]
         for linears in self._groups:  # the merged weights the trainer's forward reads (LoRA)
-            merged = linears[0].__dict__.get(MERGED, {}).get(len(linears))
+            merged = attached_merged(linears)
             addresses.append(None if merged is None else merged.data_ptr())
         return tuple(addresses)
 
